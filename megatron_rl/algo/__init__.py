@@ -1,0 +1,29 @@
+"""Pure tensor maths of RL post-training: advantages, segments, ratios and policy losses.
+
+This package imports only torch, so every formula can be tested and reused without Megatron.
+"""
+
+from megatron_rl.algo.advantages import GroupAdvantages, group_advantages
+from megatron_rl.algo.aggregation import DEFAULT_LOSS_AGG, LOSS_AGG_MODES, policy_loss_denominator
+from megatron_rl.algo.losses import (
+    POLICY_LOSSES,
+    PolicyLoss,
+    compute_policy_loss,
+    get_policy_loss,
+    policy_loss_names,
+)
+from megatron_rl.algo.segments import subsentence_segment_ids
+
+__all__ = [
+    "DEFAULT_LOSS_AGG",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "GroupAdvantages",
+    "PolicyLoss",
+    "compute_policy_loss",
+    "get_policy_loss",
+    "group_advantages",
+    "policy_loss_denominator",
+    "policy_loss_names",
+    "subsentence_segment_ids",
+]

@@ -1,0 +1,392 @@
+"""Policy losses behind one registry: grpo, gspo, gspo_token, sspo, gmpo, cispo.
+
+Each loss is a small pure kernel that turns validated inputs into a per-token objective `[B, T]`
+(a sequence- or segment-level objective is spread over its tokens) plus where it clipped.
+`compute_policy_loss` owns everything shared: validation, aggregation into one scalar, metrics.
+Notation: d_t = logp_t - old_logp_t on response tokens, |y_i| = response length of row i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from megatron_rl.algo.aggregation import DEFAULT_LOSS_AGG, aggregation
+from megatron_rl.algo.inputs import PolicyLossBatch, check_bound, validate_policy_loss_inputs
+from megatron_rl.algo.ratios import (
+    ppo_clip,
+    segment_mean,
+    segments_to_tokens,
+    sequence_mean,
+    token_log_ratio,
+)
+
+
+class UnitRatios(NamedTuple):
+    """Importance ratios at the loss's own unit (token, segment or sequence), for metrics."""
+
+    values: Tensor  # any shape
+    valid: Tensor  # bool, same shape: which entries are real units
+
+
+class TokenObjective(NamedTuple):
+    """What a loss kernel returns. All `[B, T]`, zero / False off the mask."""
+
+    objective: Tensor  # surrogate to maximise, per token
+    clipped_low: Tensor  # bool
+    clipped_high: Tensor  # bool
+    unit_ratios: UnitRatios
+    extra_metrics: dict[str, Tensor]
+
+
+def _spread(per_sequence: Tensor, mask: Tensor) -> Tensor:
+    """`[B]` -> `[B, T]`: the row's value on its response tokens, 0 (or False) elsewhere."""
+    spread = per_sequence[:, None].expand(mask.shape)
+    return torch.where(mask, spread, torch.zeros_like(spread))
+
+
+def _detached_unit_exp(log_p: Tensor, mask: Tensor) -> Tensor:
+    """exp(logp_t - sg[logp_t]) on response tokens: value 1, gradient d logp_t."""
+    log_p = torch.where(mask, log_p, torch.zeros_like(log_p))
+    return torch.exp(log_p - log_p.detach())
+
+
+def grpo_objective(batch: PolicyLossBatch, clip_low: float, clip_high: float) -> TokenObjective:
+    """GRPO (DeepSeekMath, arXiv 2402.03300, Eq. 3 without the KL term): token ratio
+    r_t = exp(d_t), obj_t = min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)."""
+    mask = batch.mask
+    ratio = torch.exp(token_log_ratio(batch.logp, batch.old_logp, mask))
+    clipped = ppo_clip(ratio, batch.token_advantages(), 1 - clip_low, 1 + clip_high)
+    return TokenObjective(
+        objective=torch.where(mask, clipped.objective, torch.zeros_like(ratio)),
+        clipped_low=clipped.clipped_low & mask,
+        clipped_high=clipped.clipped_high & mask,
+        unit_ratios=UnitRatios(ratio, mask),
+        extra_metrics={},
+    )
+
+
+def gspo_objective(batch: PolicyLossBatch, clip_low: float, clip_high: float) -> TokenObjective:
+    """GSPO (arXiv 2507.18071, Eq. 5 with s_i from Eq. 7): s_i = exp(sum_t d_t / |y_i|),
+    obj_i = min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i); whole sequences clip."""
+    mask = batch.mask
+    seq_ratio = torch.exp(sequence_mean(token_log_ratio(batch.logp, batch.old_logp, mask), mask))
+    clipped = ppo_clip(seq_ratio, batch.sequence_advantages("gspo"), 1 - clip_low, 1 + clip_high)
+    return TokenObjective(
+        objective=_spread(clipped.objective, mask),
+        clipped_low=_spread(clipped.clipped_low, mask),
+        clipped_high=_spread(clipped.clipped_high, mask),
+        unit_ratios=UnitRatios(seq_ratio, mask.any(dim=1)),
+        extra_metrics={},
+    )
+
+
+def gspo_token_objective(
+    batch: PolicyLossBatch, clip_low: float, clip_high: float
+) -> TokenObjective:
+    """GSPO-token (arXiv 2507.18071, Eq. 13 with s_it from Eq. 14): s_it = sg[s_i] *
+    exp(logp_t - sg[logp_t]), per-token clip with per-token advantages. Its value is s_i and its
+    gradient in logp_t is s_i, so with per-sequence advantages it equals GSPO exactly."""
+    mask = batch.mask
+    log_seq_ratio = sequence_mean(token_log_ratio(batch.logp, batch.old_logp, mask), mask)
+    ratio = torch.exp(log_seq_ratio.detach())[:, None] * _detached_unit_exp(batch.logp, mask)
+    clipped = ppo_clip(ratio, batch.token_advantages(), 1 - clip_low, 1 + clip_high)
+    return TokenObjective(
+        objective=torch.where(mask, clipped.objective, torch.zeros_like(ratio)),
+        clipped_low=clipped.clipped_low & mask,
+        clipped_high=clipped.clipped_high & mask,
+        unit_ratios=UnitRatios(ratio, mask),
+        extra_metrics={},
+    )
+
+
+def sspo_objective(
+    batch: PolicyLossBatch,
+    clip_low: float,
+    clip_high: float,
+    *,
+    sspo_entropy_coef: float,
+    sspo_lower: str,
+) -> TokenObjective:
+    """SSPO (arXiv 2511.04256): segment ratio s_ij = exp(mean of d_t over segment j of row i),
+    clipped to [lower_ij, upper_ij] with H_ij the mean old-policy entropy of the segment:
+    upper_ij = 1 + clip_high + beta * H_ij (the paper's 1 + eps + H with beta = 1);
+    lower_ij = max(1 - clip_low - beta * H_ij, 1e-3) ("entropy") or 1 - clip_low ("fixed").
+    Every token carries its segment's objective, so seq-mean-token-mean gives
+    -mean_i(sum_j |y_ij| obj_ij / |y_i|)."""
+    mask, segment_ids = batch.mask, batch.segment_ids
+    assert segment_ids is not None  # checked by compute_policy_loss
+    log_ratio = token_log_ratio(batch.logp, batch.old_logp, mask)
+    segments = segment_mean(log_ratio, segment_ids, mask)
+    seg_ratio = torch.exp(segments.means)  # [B, S]
+    if sspo_entropy_coef != 0.0:
+        assert batch.old_entropy is not None  # checked by compute_policy_loss
+        spread = sspo_entropy_coef * segment_mean(batch.old_entropy, segment_ids, mask).means
+    else:
+        spread = torch.zeros_like(seg_ratio)
+    upper = 1 + clip_high + spread
+    if sspo_lower == "entropy":
+        lower = (1 - clip_low - spread).clamp(min=1e-3)
+    else:
+        lower = torch.full_like(seg_ratio, 1 - clip_low)
+    seg_advantages = batch.sequence_advantages("sspo")[:, None].expand_as(seg_ratio)
+    clipped = ppo_clip(seg_ratio, seg_advantages, lower, upper)
+    valid_segments = segments.counts > 0
+    clipped_segments = (clipped.clipped_low | clipped.clipped_high) & valid_segments
+    return TokenObjective(
+        objective=segments_to_tokens(clipped.objective, segment_ids, mask),
+        clipped_low=segments_to_tokens(clipped.clipped_low, segment_ids, mask),
+        clipped_high=segments_to_tokens(clipped.clipped_high, segment_ids, mask),
+        unit_ratios=UnitRatios(seg_ratio, valid_segments),
+        extra_metrics={
+            "clip_frac/segment": clipped_segments.sum() / valid_segments.sum(),
+            "segments/per_seq": valid_segments.sum() / mask.any(dim=1).sum(),
+        },
+    )
+
+
+def gmpo_objective(batch: PolicyLossBatch, clip_low: float, clip_high: float) -> TokenObjective:
+    """GMPO (arXiv 2507.20673, Eq. 4): the geometric mean over tokens of the PPO-clipped token
+    terms, J_i = A_i * exp(mean_t l_t), with the token log-ratio clipped one-sidedly in log space:
+    l_t = min(d_t, clip_high) when A_i > 0 and max(d_t, -clip_low) when A_i < 0, i.e. the ratio is
+    clipped to [e^-clip_low, e^clip_high] (paper: clip_low = clip_high = 0.4)."""
+    mask = batch.mask
+    log_ratio = token_log_ratio(batch.logp, batch.old_logp, mask)
+    advantages = batch.sequence_advantages("gmpo")
+    token_adv = advantages[:, None].expand_as(log_ratio)
+    clipped_high = (token_adv > 0) & (log_ratio > clip_high) & mask
+    clipped_low = (token_adv < 0) & (log_ratio < -clip_low) & mask
+    clipped_log_ratio = torch.where(
+        clipped_high,
+        torch.full_like(log_ratio, clip_high),
+        torch.where(clipped_low, torch.full_like(log_ratio, -clip_low), log_ratio),
+    )
+    objective = advantages * torch.exp(sequence_mean(clipped_log_ratio, mask))
+    return TokenObjective(
+        objective=_spread(objective, mask),
+        clipped_low=clipped_low,
+        clipped_high=clipped_high,
+        unit_ratios=UnitRatios(torch.exp(sequence_mean(log_ratio, mask)), mask.any(dim=1)),
+        extra_metrics={},
+    )
+
+
+def cispo_objective(batch: PolicyLossBatch, clip_low: float, clip_high: float) -> TokenObjective:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 4 with r-hat from Eq. 5): every token keeps its
+    gradient, weighted by the stop-gradient clipped ratio r-hat_t = clip(r_t, 1 - clip_low,
+    1 + clip_high): grad = sg(r-hat_t) A_t grad logp_t. The paper writes the surrogate as
+    sg(r-hat) A log pi; we use sg(r-hat) A exp(logp - sg(logp)), which has the same gradient and
+    whose value (r-hat A) is comparable with the other losses. The paper sets no lower bound
+    (clip_low >= 1 does that) and divides by the token count (loss_agg='token-mean')."""
+    mask = batch.mask
+    ratio = torch.exp(token_log_ratio(batch.logp, batch.old_logp, mask))
+    weight = ratio.clamp(min=1 - clip_low, max=1 + clip_high).detach()
+    objective = weight * batch.token_advantages() * _detached_unit_exp(batch.logp, mask)
+    return TokenObjective(
+        objective=torch.where(mask, objective, torch.zeros_like(objective)),
+        clipped_low=(ratio < 1 - clip_low) & mask,
+        clipped_high=(ratio > 1 + clip_high) & mask,
+        unit_ratios=UnitRatios(ratio, mask),
+        extra_metrics={},
+    )
+
+
+SSPO_LOWER_MODES = ("entropy", "fixed")
+
+
+def _check_sspo_options(options: dict[str, Any], old_entropy: Tensor | None) -> dict[str, Any]:
+    coef = check_bound("sspo_entropy_coef", options["sspo_entropy_coef"])
+    if options["sspo_lower"] not in SSPO_LOWER_MODES:
+        raise ValueError(
+            f"sspo_lower: unknown mode {options['sspo_lower']!r}; valid modes: "
+            f"{', '.join(SSPO_LOWER_MODES)}"
+        )
+    if coef != 0.0 and old_entropy is None:
+        raise ValueError(
+            "old_entropy: entropy-adaptive sspo (sspo_entropy_coef != 0) needs the old-policy "
+            "token entropy [B, T]; pass it or set sspo_entropy_coef=0"
+        )
+    return options | {"sspo_entropy_coef": coef}
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered loss: its kernel, its own options and where it comes from."""
+
+    kernel: Callable[..., TokenObjective]
+    unit: str  # "token", "segment" or "sequence": where the importance ratio lives
+    paper: str
+    # (clip_low, clip_high) we suggest; docs/algorithms.md says which come from the paper.
+    default_clip: tuple[float, float]
+    options: dict[str, Any] = field(default_factory=dict)  # option name -> default
+    needs_segments: bool = False
+    # Validates the loss's own options (and what they require); returns them normalised.
+    check_options: Callable[[dict[str, Any], Tensor | None], dict[str, Any]] | None = None
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "grpo": PolicyLoss(grpo_objective, "token", "arXiv 2402.03300", (0.2, 0.27)),
+    "gspo": PolicyLoss(gspo_objective, "sequence", "arXiv 2507.18071", (3e-4, 4e-4)),
+    "gspo_token": PolicyLoss(gspo_token_objective, "token", "arXiv 2507.18071", (3e-4, 4e-4)),
+    "sspo": PolicyLoss(
+        sspo_objective,
+        "segment",
+        "arXiv 2511.04256",
+        (0.2, 0.2),
+        options={"sspo_entropy_coef": 1.0, "sspo_lower": "entropy"},
+        needs_segments=True,
+        check_options=_check_sspo_options,
+    ),
+    "gmpo": PolicyLoss(gmpo_objective, "sequence", "arXiv 2507.20673", (0.4, 0.4)),
+    "cispo": PolicyLoss(cispo_objective, "token", "arXiv 2506.13585", (1.0, 0.28)),
+}
+
+# Options every loss accepts (see compute_policy_loss).
+COMMON_OPTIONS: dict[str, Any] = {
+    "loss_agg": DEFAULT_LOSS_AGG,
+    "max_response_len": None,
+    "loss_denominator": None,
+    "check_finite": True,
+}
+
+
+def policy_loss_names() -> tuple[str, ...]:
+    """The valid loss names, in registry order."""
+    return tuple(POLICY_LOSSES)
+
+
+def get_policy_loss(name: object) -> PolicyLoss:
+    """The registry entry for `name`; an unknown name lists the valid ones."""
+    if not isinstance(name, str) or name not in POLICY_LOSSES:
+        raise ValueError(
+            f"name: unknown policy loss {name!r}; valid names: {', '.join(POLICY_LOSSES)}"
+        )
+    return POLICY_LOSSES[name]
+
+
+def _resolve_options(name: str, spec: PolicyLoss, given: dict[str, Any]) -> dict[str, Any]:
+    valid = COMMON_OPTIONS | spec.options
+    unknown = sorted(set(given) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} for policy loss {name!r}; "
+            f"valid options: {', '.join(valid)}"
+        )
+    return valid | given
+
+
+def _check_denominator(value: object) -> None:
+    if value is None:
+        return
+    number = value.detach() if isinstance(value, Tensor) else value
+    if isinstance(number, Tensor):
+        if number.numel() != 1:
+            raise ValueError(
+                f"loss_denominator: expected a number or 1-element tensor, got shape "
+                f"{list(number.shape)}"
+            )
+        number = number.item()
+    if isinstance(number, bool) or not isinstance(number, int | float) or not number > 0:
+        raise ValueError(f"loss_denominator: expected a positive number, got {value!r}")
+
+
+def compute_policy_loss(
+    name: str,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    segment_ids: Tensor | None = None,
+    old_entropy: Tensor | None = None,
+    **options: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The policy loss `name` and its metrics.
+
+    Args:
+        name: one of `policy_loss_names()`.
+        logp: `[B, T]` current-policy log-probs of the sampled response tokens.
+        old_logp: `[B, T]` old-policy log-probs of the same tokens (no gradient).
+        advantages: `[B]` per-sequence or `[B, T]` per-token advantages.
+        mask: `[B, T]` bool, true on response tokens (padding and prompt are false).
+        clip_low, clip_high: clip half-widths: ratios are clipped to [1 - clip_low, 1 + clip_high]
+            (GMPO: to [e^-clip_low, e^clip_high]).
+        segment_ids: `[B, T]` long segment ids within each row (sspo; see
+            `subsentence_segment_ids`).
+        old_entropy: `[B, T]` old-policy token entropy (sspo with sspo_entropy_coef != 0).
+        **options: `loss_agg` (see `aggregation.LOSS_AGG_MODES`), `max_response_len` (Dr. GRPO's
+            constant), `loss_denominator` (a global denominator from `policy_loss_denominator`,
+            summed over micro-batches and DP ranks), `check_finite` (default True; costs one
+            host sync), and the loss's own options (sspo: `sspo_entropy_coef`, `sspo_lower`).
+
+    Returns:
+        The scalar loss to minimise, `-sum(w * obj) / denominator`, and a dict of detached metric
+        tensors: `clip_frac/{token,seq,low,high}`, `ratio/{mean,max,min}` (at the loss's unit),
+        `log_ratio/abs_max`, `kl/k3` (mean of exp(d) - 1 - d, an estimate of KL(old || new)),
+        `loss/denominator`, and loss-specific ones (sspo: `clip_frac/segment`, `segments/per_seq`).
+    """
+    spec = get_policy_loss(name)
+    opts = _resolve_options(name, spec, options)
+    clip_low = check_bound("clip_low", clip_low)
+    clip_high = check_bound("clip_high", clip_high)
+    _check_denominator(opts["loss_denominator"])
+    kernel_options = {key: opts[key] for key in spec.options}
+    if spec.needs_segments and segment_ids is None:
+        raise ValueError(
+            f"segment_ids: policy loss {name!r} needs segment ids [B, T] "
+            "(see megatron_rl.algo.subsentence_segment_ids)"
+        )
+    if spec.check_options is not None:
+        kernel_options = spec.check_options(kernel_options, old_entropy)
+    batch = validate_policy_loss_inputs(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        segment_ids,
+        old_entropy,
+        check_finite=opts["check_finite"],
+    )
+    agg = aggregation(batch.mask, batch.logp.dtype, opts["loss_agg"], opts["max_response_len"])
+    denominator = agg.denominator
+    if opts["loss_denominator"] is not None:
+        denominator = torch.as_tensor(
+            opts["loss_denominator"], dtype=batch.logp.dtype, device=batch.logp.device
+        )
+
+    result = spec.kernel(batch, clip_low, clip_high, **kernel_options)
+    loss = -(agg.token_weights * result.objective).sum() / denominator
+    metrics = _metrics(batch, result)
+    metrics["loss/denominator"] = denominator.detach()
+    return loss, metrics
+
+
+@torch.no_grad()
+def _metrics(batch: PolicyLossBatch, result: TokenObjective) -> dict[str, Tensor]:
+    mask = batch.mask
+    num_tokens = mask.sum()
+    clipped = result.clipped_low | result.clipped_high
+    has_tokens = mask.any(dim=1)
+    log_ratio = token_log_ratio(batch.logp, batch.old_logp, mask)
+    k3 = torch.where(mask, torch.expm1(log_ratio) - log_ratio, torch.zeros_like(log_ratio))
+    values, valid = result.unit_ratios
+    values = values.detach()
+    inf = torch.full_like(values, float("inf"))
+    return {
+        "clip_frac/token": clipped.sum() / num_tokens,
+        "clip_frac/low": result.clipped_low.sum() / num_tokens,
+        "clip_frac/high": result.clipped_high.sum() / num_tokens,
+        "clip_frac/seq": (clipped.any(dim=1) & has_tokens).sum() / has_tokens.sum(),
+        "ratio/mean": torch.where(valid, values, 0).sum() / valid.sum(),
+        "ratio/max": torch.where(valid, values, -inf).max(),
+        "ratio/min": torch.where(valid, values, inf).min(),
+        "log_ratio/abs_max": log_ratio.abs().max(),
+        "kl/k3": k3.sum() / num_tokens,
+        **{key: value.detach() for key, value in result.extra_metrics.items()},
+    }

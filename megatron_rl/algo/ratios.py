@@ -1,0 +1,82 @@
+"""Log-ratio reductions at token, segment and sequence level, and the one-sided PPO clip.
+
+All functions are vectorised over rows and tokens (scatter/segment sums, no Python loops) and use
+O(B*T) memory. Padding may hold any value, NaN included: masked positions are selected away with
+`torch.where`, which also keeps their gradient exactly zero.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """d_t = logp_t - old_logp_t on response tokens, 0 elsewhere. All tensors `[B, T]`."""
+    return torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+
+
+def response_lengths(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """|y_i|: `[B]` number of response tokens per row, as `dtype`."""
+    return mask.sum(dim=1).to(dtype)
+
+
+def sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """`[B]` mean of `values` `[B, T]` over each row's response tokens (0 for an empty row)."""
+    total = torch.where(mask, values, torch.zeros_like(values)).sum(dim=1)
+    return total / response_lengths(mask, values.dtype).clamp(min=1)
+
+
+class SegmentMeans(NamedTuple):
+    """Per-segment means, indexed `[B, S]` by segment id (S = T bounds the ids of a row)."""
+
+    means: Tensor  # [B, S] mean over the segment's response tokens (0 where the segment is empty)
+    counts: Tensor  # [B, S] number of response tokens in the segment
+
+
+def segment_mean(values: Tensor, segment_ids: Tensor, mask: Tensor) -> SegmentMeans:
+    """Mean of `values` `[B, T]` over each segment; `segment_ids` `[B, T]` in [0, T) on the mask.
+
+    Segment ids index segments within their row. Off-mask tokens are scattered into slot 0 with
+    weight 0, so they never touch a segment's sum or count.
+    """
+    slots = torch.where(mask, segment_ids, torch.zeros_like(segment_ids))
+    masked_values = torch.where(mask, values, torch.zeros_like(values))
+    sums = torch.zeros_like(values).scatter_add(1, slots, masked_values)
+    counts = torch.zeros_like(values).scatter_add(1, slots, mask.to(values.dtype))
+    return SegmentMeans(means=sums / counts.clamp(min=1), counts=counts)
+
+
+def segments_to_tokens(per_segment: Tensor, segment_ids: Tensor, mask: Tensor) -> Tensor:
+    """Spread `[B, S]` per-segment values back onto tokens: `[B, T]`, 0 off the mask."""
+    slots = torch.where(mask, segment_ids, torch.zeros_like(segment_ids))
+    gathered = per_segment.gather(1, slots)
+    return torch.where(mask, gathered, torch.zeros_like(gathered))
+
+
+class ClippedObjective(NamedTuple):
+    """One-sided PPO clip of a ratio; every field has the ratio's shape."""
+
+    objective: Tensor  # min(r*A, clip(r, lower, upper)*A): the surrogate to maximise
+    clipped_low: Tensor  # bool: A < 0 and r < lower (the clipped branch is taken, no gradient)
+    clipped_high: Tensor  # bool: A > 0 and r > upper
+
+
+def ppo_clip(
+    ratio: Tensor, advantages: Tensor, lower: Tensor | float, upper: Tensor | float
+) -> ClippedObjective:
+    """PPO-clip, one-sided by the advantage's sign: min(r*A, clip(r, lower, upper)*A).
+
+    Written with `torch.where` rather than `torch.minimum` so that the clipped branch carries
+    exactly zero gradient and the unclipped one exactly A, with no tie-splitting at r == bound.
+    `lower` and `upper` broadcast against `ratio` and are treated as constants.
+    """
+    lower_t = torch.as_tensor(lower, dtype=ratio.dtype, device=ratio.device)
+    upper_t = torch.as_tensor(upper, dtype=ratio.dtype, device=ratio.device)
+    clipped_high = (advantages > 0) & (ratio > upper_t)
+    clipped_low = (advantages < 0) & (ratio < lower_t)
+    bound = torch.where(clipped_high, upper_t, lower_t)
+    objective = torch.where(clipped_high | clipped_low, bound * advantages, ratio * advantages)
+    return ClippedObjective(objective, clipped_low, clipped_high)

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set everything up (idempotent) and run the whole CPU test suite: lint, format check, pytest.
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$repo_root/scripts/setup_env.sh"
+cd "$repo_root"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+exec .venv/bin/python -m pytest "$@"

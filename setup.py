@@ -1,0 +1,37 @@
+"""megatron-rl: RL post-training for Mixture-of-Experts LLMs on Megatron-Core.
+
+Every dependency is pinned here and only here. torch is the CPU build on machines without a GPU:
+`pip install torch==2.13.0` takes the wheel that lies on disk; an unpinned torch would pull a
+multi-GB CUDA build. megatron-core 0.16.x is the newest release for Python 3.11 (0.17+ needs 3.12).
+"""
+
+from setuptools import find_packages, setup
+
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "numpy==2.4.6",
+    "pyyaml==6.0.4",
+]
+
+EXTRAS_REQUIRE = {
+    # What scripts/test.sh installs: the test runner, property tests and the linter.
+    "test": ["pytest==9.2.0", "hypothesis==6.170.17", "ruff==0.17.6"],
+    # GPU clusters only: Transformer Engine layer specs and fused kernels.
+    "gpu": ["transformer-engine[pytorch]==2.20.2"],
+    # The production rollout backend.
+    "sglang": ["sglang==0.5.23"],
+    # Experiment tracking; megatron_rl.metrics imports it lazily.
+    "wandb": ["wandb==0.31.0"],
+}
+
+setup(
+    name="megatron-rl",
+    version="0.1.0",
+    description="RL post-training (GSPO, GRPO + replay, SSPO) for MoE LLMs on Megatron-Core",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)
