@@ -1,0 +1,1 @@
+"""Benchmarks and comparison harnesses (they sit on top of the library and import downwards)."""
