@@ -12,6 +12,10 @@ INSTALL_REQUIRES = [
     "megatron-core==0.16.1",
     "numpy==2.4.6",
     "pyyaml==6.0.4",
+    # megatron-core needs these without declaring them: dist_checkpointing's save hangs its
+    # writer processes without psutil; the inference engine imports tqdm.
+    "psutil==7.2.2",
+    "tqdm==4.70.1",
 ]
 
 EXTRAS_REQUIRE = {

@@ -1,0 +1,194 @@
+"""Build a Megatron-Core GPTModel with MoE layers from a MoEModelConfig and a ParallelDims.
+
+Megatron's process groups must exist first (`megatron_rl.parallel.distributed`). The local
+(torch) layer spec is used on CPU; the Transformer Engine spec when TE is importable and CUDA is
+available.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.parallel.dims import ParallelDims
+
+Dispatcher = Literal["alltoall", "allgather"]
+
+
+def transformer_engine_available() -> bool:
+    """True when the Transformer Engine layer spec can be used (TE importable, CUDA present)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(
+    model: MoEModelConfig,
+    dims: ParallelDims,
+    *,
+    dispatcher: Dispatcher = "alltoall",
+    recompute: bool = False,
+    use_te: bool = False,
+) -> TransformerConfig:
+    """The megatron-core TransformerConfig for `model` split as `dims`.
+
+    `calculate_per_token_loss` is on: the loss function returns an unnormalised sum and its
+    denominator, and megatron-core's `finalize_model_grads` divides the gradients by the
+    denominator summed over micro-batches and data-parallel ranks (an exact global mean).
+    """
+    dims.check_model(
+        num_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        vocab_size=model.vocab_size,
+        num_experts=model.num_experts,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+    )
+    if dispatcher not in ("alltoall", "allgather"):
+        raise ValueError(f"dispatcher: expected 'alltoall' or 'allgather', got {dispatcher!r}")
+    dtype = model.torch_dtype
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_moe_experts=model.num_experts,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_router_topk=model.router_topk,
+        moe_shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size,
+        moe_router_score_function=model.router_score_function,
+        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=False,
+        qk_layernorm=model.qk_layernorm,
+        layernorm_epsilon=model.norm_eps,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
+        sequence_parallel=bool(dims.sequence_parallel),
+        use_cpu_initialization=not on_gpu,
+        calculate_per_token_loss=True,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+        # Fusions are CUDA kernels; off on CPU, on where TE provides them.
+        bias_dropout_fusion=False,
+        apply_rope_fusion=use_te,
+        masked_softmax_fusion=use_te,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_backend=AttnBackend.auto if use_te else AttnBackend.local,
+    )
+
+
+def layer_spec(model: MoEModelConfig, *, use_te: bool) -> ModuleSpec:
+    """Transformer-layer spec: TE modules on GPU when available, megatron-core's torch ones else."""
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.num_experts, moe_grouped_gemm=False, qk_layernorm=model.qk_layernorm
+        )
+    return get_gpt_layer_local_spec(
+        num_experts=model.num_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=model.qk_layernorm,
+        normalization="RMSNorm",
+    )
+
+
+def build_gpt_moe(
+    model: MoEModelConfig,
+    dims: ParallelDims,
+    *,
+    dispatcher: Dispatcher = "alltoall",
+    recompute: bool = False,
+    use_te: bool | None = None,
+) -> GPTModel:
+    """This rank's part of the model (its pipeline stage, TP and EP shards)."""
+    use_te = transformer_engine_available() if use_te is None else use_te
+    config = transformer_config(
+        model, dims, dispatcher=dispatcher, recompute=recompute, use_te=use_te
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(model, use_te=use_te),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model.rope_theta),
+        parallel_output=True,
+    )
+
+
+def wrap_for_training(model: GPTModel) -> DistributedDataParallel:
+    """Megatron-Core's DDP wrapper: gradients in fp32 `main_grad` buffers, reduced over DP in
+    `finalize_model_grads` (no averaging: the policy loss brings its own global denominator)."""
+    on_gpu = torch.cuda.is_available()
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=on_gpu,
+        average_in_collective=False,
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(
+    model: DistributedDataParallel,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    clip_grad: float = 1.0,
+    adam_betas: tuple[float, float] = (0.9, 0.999),
+    adam_eps: float = 1e-8,
+) -> MegatronOptimizer:
+    """Megatron-Core's Adam (the distributed optimizer on GPU, the plain one on CPU)."""
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        adam_beta1=adam_betas[0],
+        adam_beta2=adam_betas[1],
+        adam_eps=adam_eps,
+        bf16=model.config.bf16,
+        params_dtype=model.config.params_dtype,
+        use_distributed_optimizer=model.ddp_config.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, [model])

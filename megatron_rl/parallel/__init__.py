@@ -1,0 +1,1 @@
+"""Megatron-Core process groups and the maths that must cross them."""

@@ -1,0 +1,249 @@
+"""The named, minimal patches that let megatron-core 0.16.1 run on a CUDA-less torch with gloo.
+
+Applied once per process by `apply()`, and only when CUDA is absent: on a GPU nothing here runs.
+Each patch names the upstream file and line it works around and keeps the original, so that the
+tests can show, patch by patch, that the upstream code still fails without it (the patch is still
+needed) and works with it. Paths are relative to the installed `megatron/core/` package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_applied = False
+_originals: dict[str, dict[str, Any]] = {}
+
+
+class _HostEvent:
+    """Stands in for torch.cuda.Event: on the host, work is already complete when recorded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._time: float | None = None
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        self._time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return 1000.0 * ((end._time or 0.0) - (self._time or 0.0))
+
+
+class _HostStream:
+    """Stands in for torch.cuda.Stream: the host has one stream, so ordering is implicit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _HostEvent:
+        event = _HostEvent()
+        event.record()
+        return event
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _patch(name: str, owner: object, attribute: str, replacement: object) -> None:
+    _originals.setdefault(name, {})[attribute] = getattr(owner, attribute, None)
+    setattr(owner, attribute, replacement)
+
+
+def _current_device() -> None:
+    # models/common/embeddings/rotary_pos_embedding.py:162, transformer/moe/router.py:90 and ~100
+    # other sites pass torch.cuda.current_device() as a device; on a CPU build it raises
+    # "Torch not compiled with CUDA enabled". The host is device "cpu".
+    _patch("current_device", torch.cuda, "current_device", lambda: "cpu")
+
+
+def _cuda_streams() -> None:
+    # transformer/moe/token_dispatcher.py:445 creates torch.cuda.Stream() for the alltoall
+    # dispatcher's device-to-host copies (used at lines 871-899 with events and record_stream).
+    _patch("cuda_streams", torch.cuda, "Stream", _HostStream)
+    _patch("cuda_streams", torch.cuda, "Event", _HostEvent)
+    _patch("cuda_streams", torch.cuda, "current_stream", lambda *a, **k: _HOST_STREAM)
+    _patch("cuda_streams", torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    _patch("cuda_streams", torch.cuda, "synchronize", lambda *a, **k: None)
+    _patch("cuda_streams", torch.Tensor, "record_stream", lambda self, *a, **k: None)
+
+
+def _cuda_rng() -> None:
+    # tensor_parallel/random.py: model_parallel_cuda_manual_seed and CudaRNGStatesTracker keep
+    # per-group CUDA generator states (_get_cuda_rng_state / _set_cuda_rng_state,
+    # torch.cuda.get_rng_state). On the host the CPU generator takes their place.
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    _patch("cuda_rng", torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    _patch("cuda_rng", torch.cuda, "manual_seed", torch.manual_seed)
+    _patch(
+        "cuda_rng", megatron_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()
+    )
+    _patch(
+        "cuda_rng",
+        megatron_random,
+        "_set_cuda_rng_state",
+        lambda new_state, *a, **k: torch.set_rng_state(new_state),
+    )
+
+
+MOE_UTILS_TE_NAMES = (
+    "te_general_gemm",
+    "fused_topk_with_score_function",
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_permute",
+    "fused_permute_with_probs",
+    "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs",
+    "fused_unpermute",
+)
+
+
+def _te_names_in_moe_utils() -> None:
+    # transformer/moe/moe_utils.py (0.16.1) binds these names only when Transformer Engine
+    # imports, but tests them for None unconditionally (e.g. `if te_general_gemm is not None`),
+    # which raises NameError without TE. Bind the missing ones to None, as upstream intends.
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in MOE_UTILS_TE_NAMES:
+        if not hasattr(moe_utils, name):
+            _patch("te_names_in_moe_utils", moe_utils, name, None)
+
+
+def _causal_mask() -> None:
+    # transformer/utils.py:35 get_default_causal_mask builds its mask with device="cuda";
+    # fusions/fused_softmax.py imports it by name, so both references are replaced.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    def host_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    _patch("causal_mask", transformer_utils, "get_default_causal_mask", host_causal_mask)
+    _patch("causal_mask", fused_softmax, "get_default_causal_mask", host_causal_mask)
+
+
+def _alltoall_split_sizes() -> None:
+    # transformer/moe/moe_utils.py:1093 maybe_move_tensor_to_cpu converts only CUDA tensors to
+    # numpy; on the host the alltoall dispatcher (token_dispatcher.py:879-886) then hands tensors
+    # to all_to_all_single as split sizes, which wants a list of ints (TypeError).
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def move_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor):
+            tensor = tensor.cpu()
+            if as_numpy:
+                return tensor.numpy()
+        return tensor
+
+    _patch("alltoall_split_sizes", token_dispatcher, "maybe_move_tensor_to_cpu", move_to_host)
+
+
+def _norm_sequence_parallel() -> None:
+    # transformer/torch_norm.py:32 WrappedTorchNorm asserts `not config.sequence_parallel`. A
+    # torch RMSNorm is per token, so it is exact on a sequence shard; only its weight gradient
+    # is partial per TP rank, and megatron-core sums the gradients of parameters marked
+    # `sequence_parallel` over TP (distributed/finalize_model_grads.py:354). Build the norm as
+    # without SP and mark its parameters.
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls: type, config: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        if not config.sequence_parallel:
+            return original_new(cls, config, *args, **kwargs)
+        config_without_sp = copy.copy(config)
+        config_without_sp.sequence_parallel = False
+        norm = original_new(cls, config_without_sp, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    _patch("norm_sequence_parallel", torch_norm.WrappedTorchNorm, "__new__", staticmethod(new))
+
+
+class _HostFactoryTorch:
+    """The torch module as seen by the pipeline schedules, with device="cuda" tensors on host."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+
+def _schedule_device_zeros() -> None:
+    # pipeline_parallel/schedules.py:596, 983 and 2138 count tokens in
+    # `torch.zeros([], dtype=torch.int, device="cuda")` in every forward-backward schedule.
+    from megatron.core.pipeline_parallel import schedules
+
+    _patch("schedule_device_zeros", schedules, "torch", _HostFactoryTorch())
+
+
+@dataclass(frozen=True)
+class CpuPatch:
+    name: str
+    apply: Callable[[], None]
+
+
+PATCHES = (
+    CpuPatch("current_device", _current_device),
+    CpuPatch("cuda_streams", _cuda_streams),
+    CpuPatch("cuda_rng", _cuda_rng),
+    CpuPatch("te_names_in_moe_utils", _te_names_in_moe_utils),
+    CpuPatch("causal_mask", _causal_mask),
+    CpuPatch("alltoall_split_sizes", _alltoall_split_sizes),
+    CpuPatch("norm_sequence_parallel", _norm_sequence_parallel),
+    CpuPatch("schedule_device_zeros", _schedule_device_zeros),
+)
+
+
+def needed() -> bool:
+    """True when this torch has no CUDA, so megatron-core needs the patches."""
+    return not torch.cuda.is_available()
+
+
+def apply() -> list[str]:
+    """Apply every patch once (no-op with CUDA or when already applied); returns their names."""
+    global _applied
+    if not needed():
+        return []
+    if not _applied:
+        for patch in PATCHES:
+            patch.apply()
+        _applied = True
+    return [patch.name for patch in PATCHES]
+
+
+def original(patch_name: str, attribute: str) -> Any:
+    """What `attribute` was before patch `patch_name` replaced it (for the tests)."""
+    return _originals[patch_name][attribute]

@@ -1,0 +1,179 @@
+"""The policy loss inside Megatron-Core's forward-backward schedule.
+
+Only the last pipeline stage computes the loss. Its loss function returns megatron-core's
+"per-token loss" triple: the unnormalised loss sum, its denominator (sequences or tokens, see
+`megatron_rl.algo.aggregation`) and the metrics. With `calculate_per_token_loss` on, megatron-core
+sums the denominators over micro-batches and data-parallel ranks and divides the gradients by the
+total in `finalize_model_grads`: gradient accumulation and DP give the gradient of the full batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch import Tensor
+
+from megatron_rl.algo import compute_policy_loss, policy_loss_denominator
+from megatron_rl.parallel.logprobs import vocab_parallel_logprobs
+
+
+@dataclass
+class PolicyMicroBatch:
+    """One micro-batch of rollouts, padded to a common length S. Position t of every `[b, S]`
+    per-token tensor refers to the token predicted at t, i.e. `tokens[:, t + 1]`.
+
+    Attributes:
+        tokens: `[b, S]` prompt + response token ids (padding: any valid id).
+        loss_mask: `[b, S]` bool, true where `tokens[:, t + 1]` is a response token.
+        old_logp: `[b, S]` old-policy log-prob of `tokens[:, t + 1]`.
+        advantages: `[b]` per-sequence (or `[b, S]` per-token) advantages.
+        segment_ids: `[b, S]` SSPO segment ids, or None.
+        old_entropy: `[b, S]` old-policy entropy, or None.
+    """
+
+    tokens: Tensor
+    loss_mask: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    segment_ids: Tensor | None = None
+    old_entropy: Tensor | None = None
+
+    def targets(self) -> Tensor:
+        """`[b, S]` the next token at each position (the last position repeats its own token)."""
+        return torch.cat([self.tokens[:, 1:], self.tokens[:, -1:]], dim=1)
+
+    def position_ids(self) -> Tensor:
+        batch, seq = self.tokens.shape
+        return torch.arange(seq, device=self.tokens.device).expand(batch, seq)
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """Which policy loss, its clip range and its options (see `compute_policy_loss`)."""
+
+    name: str
+    clip_low: float
+    clip_high: float
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def policy_loss_func(
+    micro_batch: PolicyMicroBatch, spec: PolicyLossSpec, logits: Tensor
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The last stage's loss function: logits `[b, S, V/tp]` -> (loss sum, denominator, metrics)."""
+    token = vocab_parallel_logprobs(
+        logits,
+        micro_batch.targets(),
+        group=parallel_state.get_tensor_model_parallel_group(),
+    )
+    options = {key: value for key, value in spec.options.items() if key != "loss_denominator"}
+    loss_sum, metrics = compute_policy_loss(
+        spec.name,
+        token.logp,
+        micro_batch.old_logp,
+        micro_batch.advantages,
+        micro_batch.loss_mask,
+        clip_low=spec.clip_low,
+        clip_high=spec.clip_high,
+        segment_ids=micro_batch.segment_ids,
+        old_entropy=micro_batch.old_entropy,
+        loss_denominator=1,
+        **options,
+    )
+    denominator = policy_loss_denominator(
+        micro_batch.loss_mask,
+        loss_agg=options.get("loss_agg", "seq-mean-token-mean"),
+        max_response_len=options.get("max_response_len"),
+    )
+    metrics = metrics | {
+        "loss/sum": loss_sum.detach(),
+        "entropy/sum": _masked_sum(token, micro_batch),
+    }
+    return loss_sum, denominator.round().to(torch.int), metrics
+
+
+def _masked_sum(token: Any, micro_batch: PolicyMicroBatch) -> Tensor:
+    return torch.where(micro_batch.loss_mask, token.entropy.detach(), 0.0).sum()
+
+
+def _forward_step(
+    spec: PolicyLossSpec, data_iterator: Iterator[PolicyMicroBatch], model: torch.nn.Module
+) -> tuple[Tensor, Any]:
+    micro_batch = next(data_iterator)
+    output = model(micro_batch.tokens, micro_batch.position_ids(), attention_mask=None)
+    return output, partial(policy_loss_func, micro_batch, spec)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Loss of the whole batch (all micro-batches and DP ranks) and per-micro-batch metrics."""
+
+    loss: Tensor  # [] global loss, on every rank of the last pipeline stage; nan elsewhere
+    denominator: Tensor  # [] global denominator
+    metrics: list[dict[str, Tensor]]  # this rank's micro-batches (last stage only)
+
+
+def policy_forward_backward(
+    model: torch.nn.Module,
+    micro_batches: list[PolicyMicroBatch],
+    spec: PolicyLossSpec,
+    *,
+    forward_only: bool = False,
+) -> StepResult:
+    """Run megatron-core's schedule (1F1B under PP) over `micro_batches` with the policy loss.
+
+    `model` is this rank's DDP-wrapped model chunk. Gradients end up in the parameters'
+    `main_grad`, already divided by the global denominator; the optimizer step is the caller's.
+    """
+    if not micro_batches:
+        raise ValueError("micro_batches: expected at least one micro-batch")
+    shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
+    if len(shapes) != 1:
+        raise ValueError(f"micro_batches: all need one shape [b, S] for the schedule, got {shapes}")
+    batch, seq = shapes.pop()
+    config = model.config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = getattr(model, "no_sync", None)
+    results = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, spec),
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=seq,
+        micro_batch_size=batch,
+        forward_only=forward_only,
+    )
+    return _global_loss(micro_batches, spec, results)
+
+
+def _global_loss(
+    micro_batches: list[PolicyMicroBatch], spec: PolicyLossSpec, metrics: list[dict[str, Tensor]]
+) -> StepResult:
+    options = spec.options
+    local_denominator = sum(
+        policy_loss_denominator(
+            mb.loss_mask,
+            loss_agg=options.get("loss_agg", "seq-mean-token-mean"),
+            max_response_len=options.get("max_response_len"),
+        )
+        for mb in micro_batches
+    )
+    totals = torch.zeros(2, dtype=torch.float64)
+    totals[1] = local_denominator
+    if parallel_state.is_pipeline_last_stage():
+        totals[0] = sum(float(m["loss/sum"]) for m in metrics)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(totals, group=group)
+    loss = totals[0] / totals[1]
+    if not parallel_state.is_pipeline_last_stage():
+        loss = torch.tensor(float("nan"), dtype=torch.float64)
+    return StepResult(loss=loss, denominator=totals[1], metrics=metrics)
