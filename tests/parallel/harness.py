@@ -1,0 +1,94 @@
+"""Run a function on N gloo ranks in spawned processes; every process is stopped, by its handle,
+whatever happens (error, hang, test failure)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue as queue_module
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from megatron_rl.parallel.distributed import LaunchEnv, shutdown_distributed
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(target: Callable[..., Any], launch: LaunchEnv, results: Any, args: tuple) -> None:
+    try:
+        results.put((launch.rank, "ok", target(launch, *args)))
+    except BaseException:
+        results.put((launch.rank, "error", traceback.format_exc()))
+    finally:
+        shutdown_distributed()
+
+
+def run_on_ranks(
+    target: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 300.0
+) -> list[Any]:
+    """`target(launch, *args)` on `world_size` ranks; returns their results in rank order.
+
+    The first rank that raises fails the call with its traceback, and the other ranks (which
+    may be waiting in a collective) are terminated at once.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    # Not daemonic: dist_checkpointing starts writer processes of its own.
+    processes = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                target,
+                LaunchEnv(
+                    rank=rank,
+                    world_size=world_size,
+                    local_rank=rank,
+                    master_addr="127.0.0.1",
+                    master_port=port,
+                    launcher="torchrun",
+                ),
+                results,
+                args,
+            ),
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(collected))
+                raise TimeoutError(f"ranks {missing} gave no result within {timeout:.0f} s")
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue_module.Empty:
+                for rank, process in enumerate(processes):
+                    if rank not in collected and process.exitcode not in (None, 0):
+                        raise RuntimeError(
+                            f"rank {rank} died with exit code {process.exitcode}"
+                        ) from None
+                continue
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{payload}")
+            collected[rank] = payload
+    finally:
+        for process in processes:
+            process.join(timeout=10 if len(collected) == world_size else 0.1)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [collected[rank] for rank in range(world_size)]
