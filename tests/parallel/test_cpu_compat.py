@@ -1,0 +1,132 @@
+"""Each CPU patch: the upstream code still fails without it (so it is still needed), and the
+patched code works. The layout-invariance tests exercise them all together on 2 ranks."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.parallel import cpu_compat
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only patches")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def patched():
+    names = cpu_compat.apply()
+    assert names == [patch.name for patch in cpu_compat.PATCHES]
+
+
+def test_apply_is_idempotent_and_keeps_the_first_originals():
+    first = cpu_compat.original("current_device", "current_device")
+    cpu_compat.apply()
+    assert cpu_compat.original("current_device", "current_device") is first
+
+
+def test_current_device():
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        cpu_compat.original("current_device", "current_device")()
+    assert torch.zeros(1, device=torch.cuda.current_device()).device.type == "cpu"
+
+
+def test_cuda_streams():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        cpu_compat.original("cuda_streams", "Stream")()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        event = stream.record_event()
+    event.synchronize()
+    torch.ones(2).record_stream(torch.cuda.current_stream())
+
+
+def test_cuda_rng():
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        cpu_compat.original("cuda_rng", "get_rng_state")()
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add("test-rng", 7)
+    torch.manual_seed(0)
+    with tracker.fork("test-rng"):
+        forked = torch.rand(3)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(3))  # the default stream is restored after the fork
+    torch.manual_seed(7)
+    assert torch.equal(forked, torch.rand(3))  # the fork drew from its own seeded state
+    tracker.reset()
+
+
+def test_te_names_in_moe_utils():
+    from megatron.core.transformer.moe import moe_utils
+
+    # every name was missing upstream when the patch ran (else the patch would not record it)
+    assert set(cpu_compat._originals["te_names_in_moe_utils"]) == set(cpu_compat.MOE_UTILS_TE_NAMES)
+    source = inspect.getsource(moe_utils)
+    assert "te_general_gemm is not None" in source or "if te_general_gemm" in source
+    assert all(getattr(moe_utils, name) is None for name in cpu_compat.MOE_UTILS_TE_NAMES)
+
+
+def test_causal_mask():
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        cpu_compat.original("causal_mask", "get_default_causal_mask")(4)
+    from megatron.core.fusions import fused_softmax
+
+    mask = fused_softmax.get_default_causal_mask(3)
+    assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+
+
+def test_alltoall_split_sizes():
+    original = cpu_compat.original("alltoall_split_sizes", "maybe_move_tensor_to_cpu")
+    splits = torch.tensor([3, 1])
+    assert isinstance(original(splits, as_numpy=True), torch.Tensor)  # not the list-like numpy
+    from megatron.core.transformer.moe import token_dispatcher
+
+    moved = token_dispatcher.maybe_move_tensor_to_cpu(splits, as_numpy=True)
+    assert isinstance(moved, np.ndarray) and moved.tolist() == [3, 1]
+    assert token_dispatcher.maybe_move_tensor_to_cpu(splits) is not None
+
+
+def _config(sequence_parallel: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        tensor_model_parallel_size=2,
+        sequence_parallel=sequence_parallel,
+        normalization="RMSNorm",
+        use_cpu_initialization=True,
+    )
+
+
+def test_norm_sequence_parallel():
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = cpu_compat.original("norm_sequence_parallel", "__new__")
+    with pytest.raises(AssertionError, match="sequence parallel not supported"):
+        original(WrappedTorchNorm, _config(True), 8)
+    norm = WrappedTorchNorm(_config(True), 8, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6
+    assert norm.weight.sequence_parallel is True
+    plain = WrappedTorchNorm(_config(False), 8)
+    assert not hasattr(plain.weight, "sequence_parallel")
+
+
+def test_schedule_device_zeros():
+    from megatron.core.pipeline_parallel import schedules
+
+    original_torch = cpu_compat.original("schedule_device_zeros", "torch")
+    source = inspect.getsource(schedules.forward_backward_no_pipelining)
+    assert 'torch.zeros([], dtype=torch.int, device="cuda")' in source
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        original_torch.zeros([], dtype=torch.int, device="cuda")
+    counter = schedules.torch.zeros([], dtype=torch.int, device="cuda")
+    assert counter.device.type == "cpu" and counter.dtype == torch.int
+    assert schedules.torch.float32 is torch.float32  # everything else passes through
