@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from megatron_rl.algo.ratios import response_lengths
+from megatron_rl.algo.ratios import ShardSum, response_lengths, whole_sequences
 
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 DEFAULT_LOSS_AGG = "seq-mean-token-mean"
@@ -52,11 +52,16 @@ def _check_mode(loss_agg: object, max_response_len: object) -> None:
 
 
 def aggregation(
-    mask: Tensor, dtype: torch.dtype, loss_agg: str, max_response_len: int | None
+    mask: Tensor,
+    dtype: torch.dtype,
+    loss_agg: str,
+    max_response_len: int | None,
+    shard_sum: ShardSum = whole_sequences,
 ) -> Aggregation:
-    """Token weights `[B, T]` and local denominator for `mask` `[B, T]` under `loss_agg`."""
+    """Token weights `[B, T]` and the denominator for `mask` `[B, T]` under `loss_agg` (local to
+    this batch, or over all shards of its rows under `shard_sum`)."""
     _check_mode(loss_agg, max_response_len)
-    lengths = response_lengths(mask, dtype)
+    lengths = response_lengths(mask, dtype, shard_sum)
     num_sequences = (lengths > 0).sum().to(dtype)
     ones = mask.to(dtype)
     if loss_agg == "seq-mean-token-mean":

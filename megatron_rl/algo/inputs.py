@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megatron_rl.algo.ratios import ShardSum
+
 
 @dataclass(frozen=True)
 class PolicyLossBatch:
@@ -25,6 +27,8 @@ class PolicyLossBatch:
         mask: `[B, T]` bool, true on response tokens.
         segment_ids: `[B, T]` long segment index of each token within its row, or None.
         old_entropy: `[B, T]` old-policy token entropy, or None.
+        shard_sum: sums per-row partial statistics over the shards of the rows (identity when
+            rows are whole).
     """
 
     logp: Tensor
@@ -33,6 +37,7 @@ class PolicyLossBatch:
     mask: Tensor
     segment_ids: Tensor | None
     old_entropy: Tensor | None
+    shard_sum: ShardSum
 
     def token_advantages(self) -> Tensor:
         """`[B, T]` advantage of every token (a per-sequence advantage repeats along its row)."""
@@ -112,6 +117,7 @@ def validate_policy_loss_inputs(
     old_entropy: object,
     *,
     check_finite: bool,
+    shard_sum: ShardSum,
 ) -> PolicyLossBatch:
     """Check shapes, dtypes, devices and values; return the inputs upcast to the working dtype."""
     logp_t = _require_tensor("logp", logp, "a floating-point tensor of shape [B, T]")
@@ -127,7 +133,7 @@ def validate_policy_loss_inputs(
         raise ValueError(f"mask: expected a bool tensor of shape [B, T], got {_describe(mask_t)}")
     if tuple(mask_t.shape) != shape:
         raise ValueError(f"mask: expected shape [B, T] = {list(shape)}, got {list(mask_t.shape)}")
-    if not bool(mask_t.any()):
+    if not bool(shard_sum(mask_t.sum().to(torch.float32)) > 0):
         raise ValueError("mask: has no true entry; a policy loss needs at least one response token")
 
     adv_t = _require_tensor("advantages", advantages, "a floating-point tensor of shape [B]")
@@ -190,4 +196,5 @@ def validate_policy_loss_inputs(
         mask=mask_t,
         segment_ids=seg_t,
         old_entropy=None if entropy_t is None else entropy_t.detach().to(work_dtype),
+        shard_sum=shard_sum,
     )

@@ -23,6 +23,7 @@ from megatron_rl.algo.ratios import (
     segments_to_tokens,
     sequence_mean,
     token_log_ratio,
+    whole_sequences,
 )
 
 
@@ -74,7 +75,9 @@ def gspo_objective(batch: PolicyLossBatch, clip_low: float, clip_high: float) ->
     """GSPO (arXiv 2507.18071, Eq. 5 with s_i from Eq. 7): s_i = exp(sum_t d_t / |y_i|),
     obj_i = min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i); whole sequences clip."""
     mask = batch.mask
-    seq_ratio = torch.exp(sequence_mean(token_log_ratio(batch.logp, batch.old_logp, mask), mask))
+    seq_ratio = torch.exp(
+        sequence_mean(token_log_ratio(batch.logp, batch.old_logp, mask), mask, batch.shard_sum)
+    )
     clipped = ppo_clip(seq_ratio, batch.sequence_advantages("gspo"), 1 - clip_low, 1 + clip_high)
     return TokenObjective(
         objective=_spread(clipped.objective, mask),
@@ -92,7 +95,9 @@ def gspo_token_objective(
     exp(logp_t - sg[logp_t]), per-token clip with per-token advantages. Its value is s_i and its
     gradient in logp_t is s_i, so with per-sequence advantages it equals GSPO exactly."""
     mask = batch.mask
-    log_seq_ratio = sequence_mean(token_log_ratio(batch.logp, batch.old_logp, mask), mask)
+    log_seq_ratio = sequence_mean(
+        token_log_ratio(batch.logp, batch.old_logp, mask), mask, batch.shard_sum
+    )
     ratio = torch.exp(log_seq_ratio.detach())[:, None] * _detached_unit_exp(batch.logp, mask)
     clipped = ppo_clip(ratio, batch.token_advantages(), 1 - clip_low, 1 + clip_high)
     return TokenObjective(
@@ -121,11 +126,12 @@ def sspo_objective(
     mask, segment_ids = batch.mask, batch.segment_ids
     assert segment_ids is not None  # checked by compute_policy_loss
     log_ratio = token_log_ratio(batch.logp, batch.old_logp, mask)
-    segments = segment_mean(log_ratio, segment_ids, mask)
+    segments = segment_mean(log_ratio, segment_ids, mask, batch.shard_sum)
     seg_ratio = torch.exp(segments.means)  # [B, S]
     if sspo_entropy_coef != 0.0:
         assert batch.old_entropy is not None  # checked by compute_policy_loss
-        spread = sspo_entropy_coef * segment_mean(batch.old_entropy, segment_ids, mask).means
+        entropy = segment_mean(batch.old_entropy, segment_ids, mask, batch.shard_sum).means
+        spread = sspo_entropy_coef * entropy
     else:
         spread = torch.zeros_like(seg_ratio)
     upper = 1 + clip_high + spread
@@ -165,12 +171,14 @@ def gmpo_objective(batch: PolicyLossBatch, clip_low: float, clip_high: float) ->
         torch.full_like(log_ratio, clip_high),
         torch.where(clipped_low, torch.full_like(log_ratio, -clip_low), log_ratio),
     )
-    objective = advantages * torch.exp(sequence_mean(clipped_log_ratio, mask))
+    objective = advantages * torch.exp(sequence_mean(clipped_log_ratio, mask, batch.shard_sum))
     return TokenObjective(
         objective=_spread(objective, mask),
         clipped_low=clipped_low,
         clipped_high=clipped_high,
-        unit_ratios=UnitRatios(torch.exp(sequence_mean(log_ratio, mask)), mask.any(dim=1)),
+        unit_ratios=UnitRatios(
+            torch.exp(sequence_mean(log_ratio, mask, batch.shard_sum)), mask.any(dim=1)
+        ),
         extra_metrics={},
     )
 
@@ -251,6 +259,7 @@ COMMON_OPTIONS: dict[str, Any] = {
     "max_response_len": None,
     "loss_denominator": None,
     "check_finite": True,
+    "shard_sum": None,
 }
 
 
@@ -323,7 +332,12 @@ def compute_policy_loss(
         **options: `loss_agg` (see `aggregation.LOSS_AGG_MODES`), `max_response_len` (Dr. GRPO's
             constant), `loss_denominator` (a global denominator from `policy_loss_denominator`,
             summed over micro-batches and DP ranks), `check_finite` (default True; costs one
-            host sync), and the loss's own options (sspo: `sspo_entropy_coef`, `sspo_lower`).
+            host sync), `shard_sum` (context parallelism: each rank passes its shard of every
+            row, positions it does not hold masked out, and a differentiable sum over the
+            ranks sharing the rows, e.g. `megatron_rl.parallel.context.shard_sum`; per-row and
+            per-segment sums then cover whole sequences, the default denominator is global, and
+            the ranks' losses add up to the full loss; metrics stay per shard), and the loss's
+            own options (sspo: `sspo_entropy_coef`, `sspo_lower`).
 
     Returns:
         The scalar loss to minimise, `-sum(w * obj) / denominator`, and a dict of detached metric
@@ -352,8 +366,11 @@ def compute_policy_loss(
         segment_ids,
         old_entropy,
         check_finite=opts["check_finite"],
+        shard_sum=opts["shard_sum"] or whole_sequences,
     )
-    agg = aggregation(batch.mask, batch.logp.dtype, opts["loss_agg"], opts["max_response_len"])
+    agg = aggregation(
+        batch.mask, batch.logp.dtype, opts["loss_agg"], opts["max_response_len"], batch.shard_sum
+    )
     denominator = agg.denominator
     if opts["loss_denominator"] is not None:
         denominator = torch.as_tensor(

@@ -7,10 +7,20 @@ O(B*T) memory. Padding may hold any value, NaN included: masked positions are se
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+# Sums partial per-sequence statistics over the ranks that hold pieces of the same sequences
+# (context parallelism). Must be differentiable; the identity when sequences are whole.
+ShardSum = Callable[[Tensor], Tensor]
+
+
+def whole_sequences(partial: Tensor) -> Tensor:
+    """The ShardSum of unsharded sequences: every rank already holds the whole sum."""
+    return partial
 
 
 def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
@@ -18,15 +28,18 @@ def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, logp - old_logp, torch.zeros_like(logp))
 
 
-def response_lengths(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """|y_i|: `[B]` number of response tokens per row, as `dtype`."""
-    return mask.sum(dim=1).to(dtype)
+def response_lengths(
+    mask: Tensor, dtype: torch.dtype, shard_sum: ShardSum = whole_sequences
+) -> Tensor:
+    """|y_i|: `[B]` number of response tokens per row (over all shards), as `dtype`."""
+    return shard_sum(mask.sum(dim=1).to(dtype))
 
 
-def sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
+def sequence_mean(values: Tensor, mask: Tensor, shard_sum: ShardSum = whole_sequences) -> Tensor:
     """`[B]` mean of `values` `[B, T]` over each row's response tokens (0 for an empty row)."""
-    total = torch.where(mask, values, torch.zeros_like(values)).sum(dim=1)
-    return total / response_lengths(mask, values.dtype).clamp(min=1)
+    masked = torch.where(mask, values, torch.zeros_like(values))
+    total, length = shard_sum(torch.stack([masked.sum(dim=1), mask.sum(dim=1).to(values.dtype)]))
+    return total / length.clamp(min=1)
 
 
 class SegmentMeans(NamedTuple):
@@ -36,7 +49,9 @@ class SegmentMeans(NamedTuple):
     counts: Tensor  # [B, S] number of response tokens in the segment
 
 
-def segment_mean(values: Tensor, segment_ids: Tensor, mask: Tensor) -> SegmentMeans:
+def segment_mean(
+    values: Tensor, segment_ids: Tensor, mask: Tensor, shard_sum: ShardSum = whole_sequences
+) -> SegmentMeans:
     """Mean of `values` `[B, T]` over each segment; `segment_ids` `[B, T]` in [0, T) on the mask.
 
     Segment ids index segments within their row. Off-mask tokens are scattered into slot 0 with
@@ -46,6 +61,7 @@ def segment_mean(values: Tensor, segment_ids: Tensor, mask: Tensor) -> SegmentMe
     masked_values = torch.where(mask, values, torch.zeros_like(values))
     sums = torch.zeros_like(values).scatter_add(1, slots, masked_values)
     counts = torch.zeros_like(values).scatter_add(1, slots, mask.to(values.dtype))
+    sums, counts = shard_sum(torch.stack([sums, counts]))
     return SegmentMeans(means=sums / counts.clamp(min=1), counts=counts)
 
 
