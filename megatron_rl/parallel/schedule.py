@@ -18,25 +18,32 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from megatron_rl.algo import compute_policy_loss, policy_loss_denominator
+from megatron_rl.algo import DEFAULT_LOSS_AGG, compute_policy_loss, policy_loss_denominator
 from megatron_rl.parallel.logprobs import vocab_parallel_logprobs
+from megatron_rl.parallel.packing import packed_positions, packed_targets, unpack
 
 
 @dataclass
 class PolicyMicroBatch:
-    """One micro-batch of rollouts, padded to a common length S. Position t of every `[b, S]`
-    per-token tensor refers to the token predicted at t, i.e. `tokens[:, t + 1]`.
+    """One micro-batch of rollouts, padded `[b, S]` or packed `[1, total]` (THD).
+
+    Position t of every per-token tensor refers to the token predicted at t, i.e. the token that
+    follows t in its sequence. Padded: rows are sequences, padded to a common length S. Packed:
+    sequences lie back to back in one row and `cu_seqlens` `[N + 1]` holds their offsets; the
+    last token of each sequence has no successor and must be outside `loss_mask`.
 
     Attributes:
-        tokens: `[b, S]` prompt + response token ids (padding: any valid id).
-        loss_mask: `[b, S]` bool, true where `tokens[:, t + 1]` is a response token.
-        old_logp: `[b, S]` old-policy log-prob of `tokens[:, t + 1]`.
-        advantages: `[b]` per-sequence (or `[b, S]` per-token) advantages.
-        segment_ids: `[b, S]` SSPO segment ids, or None.
-        old_entropy: `[b, S]` old-policy entropy, or None.
+        tokens: `[b, S]` (or `[1, total]`) prompt + response token ids (padding: any valid id).
+        loss_mask: like tokens, bool, true where the predicted token is a response token.
+        old_logp: like tokens, old-policy log-prob of the predicted token.
+        advantages: `[b]` (or `[N]`) per-sequence advantages; per-token ones like tokens.
+        segment_ids: like tokens, SSPO segment ids within each sequence, or None.
+        old_entropy: like tokens, old-policy entropy, or None.
+        cu_seqlens: `[N + 1]` offsets of the packed sequences, or None when padded.
     """
 
     tokens: Tensor
@@ -45,14 +52,48 @@ class PolicyMicroBatch:
     advantages: Tensor
     segment_ids: Tensor | None = None
     old_entropy: Tensor | None = None
+    cu_seqlens: Tensor | None = None
 
     def targets(self) -> Tensor:
-        """`[b, S]` the next token at each position (the last position repeats its own token)."""
+        """The next token at each position (a sequence's last position repeats its own token)."""
+        if self.cu_seqlens is not None:
+            return packed_targets(self.tokens[0], self.cu_seqlens)[None]
         return torch.cat([self.tokens[:, 1:], self.tokens[:, -1:]], dim=1)
 
     def position_ids(self) -> Tensor:
+        if self.cu_seqlens is not None:
+            return packed_positions(self.cu_seqlens)[1][None]
         batch, seq = self.tokens.shape
         return torch.arange(seq, device=self.tokens.device).expand(batch, seq)
+
+    def packed_seq_params(self) -> PackedSeqParams | None:
+        """Megatron-core's THD attention parameters (Transformer Engine attention only)."""
+        if self.cu_seqlens is None:
+            return None
+        cu_seqlens = self.cu_seqlens.to(torch.int32)
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=max_len,
+            max_seqlen_kv=max_len,
+        )
+
+    def as_rows(self, logp: Tensor) -> tuple[Tensor, ...]:
+        """(logp, old_logp, loss_mask, segment_ids, old_entropy) as `[rows, length]` tensors:
+        unchanged when padded, unpacked into one row per sequence when packed."""
+        fields = (logp, self.old_logp, self.loss_mask, self.segment_ids, self.old_entropy)
+        if self.cu_seqlens is None:
+            return fields
+        last = self.cu_seqlens[1:] - 1
+        if bool(self.loss_mask[0, last].any()):
+            raise ValueError(
+                "loss_mask: true on the last token of a packed sequence, which predicts nothing"
+            )
+        return tuple(
+            None if field is None else unpack(field[0], self.cu_seqlens, fill=0) for field in fields
+        )
 
 
 @dataclass(frozen=True)
@@ -74,41 +115,44 @@ def policy_loss_func(
         micro_batch.targets(),
         group=parallel_state.get_tensor_model_parallel_group(),
     )
+    logp, old_logp, loss_mask, segment_ids, old_entropy = micro_batch.as_rows(token.logp)
     options = {key: value for key, value in spec.options.items() if key != "loss_denominator"}
     loss_sum, metrics = compute_policy_loss(
         spec.name,
-        token.logp,
-        micro_batch.old_logp,
+        logp,
+        old_logp,
         micro_batch.advantages,
-        micro_batch.loss_mask,
+        loss_mask,
         clip_low=spec.clip_low,
         clip_high=spec.clip_high,
-        segment_ids=micro_batch.segment_ids,
-        old_entropy=micro_batch.old_entropy,
+        segment_ids=segment_ids,
+        old_entropy=old_entropy,
         loss_denominator=1,
         **options,
     )
-    denominator = policy_loss_denominator(
-        micro_batch.loss_mask,
-        loss_agg=options.get("loss_agg", "seq-mean-token-mean"),
-        max_response_len=options.get("max_response_len"),
+    entropy_sum = torch.where(micro_batch.loss_mask, token.entropy.detach(), 0.0).sum()
+    metrics = metrics | {"loss/sum": loss_sum.detach(), "entropy/sum": entropy_sum}
+    return loss_sum, _denominator(loss_mask, spec).round().to(torch.int), metrics
+
+
+def _denominator(loss_mask: Tensor, spec: PolicyLossSpec) -> Tensor:
+    return policy_loss_denominator(
+        loss_mask,
+        loss_agg=spec.options.get("loss_agg", DEFAULT_LOSS_AGG),
+        max_response_len=spec.options.get("max_response_len"),
     )
-    metrics = metrics | {
-        "loss/sum": loss_sum.detach(),
-        "entropy/sum": _masked_sum(token, micro_batch),
-    }
-    return loss_sum, denominator.round().to(torch.int), metrics
-
-
-def _masked_sum(token: Any, micro_batch: PolicyMicroBatch) -> Tensor:
-    return torch.where(micro_batch.loss_mask, token.entropy.detach(), 0.0).sum()
 
 
 def _forward_step(
     spec: PolicyLossSpec, data_iterator: Iterator[PolicyMicroBatch], model: torch.nn.Module
 ) -> tuple[Tensor, Any]:
     micro_batch = next(data_iterator)
-    output = model(micro_batch.tokens, micro_batch.position_ids(), attention_mask=None)
+    output = model(
+        micro_batch.tokens,
+        micro_batch.position_ids(),
+        attention_mask=None,
+        packed_seq_params=micro_batch.packed_seq_params(),
+    )
     return output, partial(policy_loss_func, micro_batch, spec)
 
 
@@ -157,15 +201,7 @@ def policy_forward_backward(
 def _global_loss(
     micro_batches: list[PolicyMicroBatch], spec: PolicyLossSpec, metrics: list[dict[str, Tensor]]
 ) -> StepResult:
-    options = spec.options
-    local_denominator = sum(
-        policy_loss_denominator(
-            mb.loss_mask,
-            loss_agg=options.get("loss_agg", "seq-mean-token-mean"),
-            max_response_len=options.get("max_response_len"),
-        )
-        for mb in micro_batches
-    )
+    local_denominator = sum(_denominator(mb.as_rows(mb.old_logp)[2], spec) for mb in micro_batches)
     totals = torch.zeros(2, dtype=torch.float64)
     totals[1] = local_denominator
     if parallel_state.is_pipeline_last_stage():
