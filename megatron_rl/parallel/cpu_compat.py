@@ -188,25 +188,69 @@ def _norm_sequence_parallel() -> None:
     _patch("norm_sequence_parallel", torch_norm.WrappedTorchNorm, "__new__", staticmethod(new))
 
 
+def _on_host(device: Any) -> Any:
+    if device is not None and torch.device(device).type == "cuda":
+        return "cpu"
+    return device
+
+
 class _HostFactoryTorch:
-    """The torch module as seen by the pipeline schedules, with device="cuda" tensors on host."""
+    """The torch module as one upstream module sees it, with device="cuda" factories on host."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
     @staticmethod
     def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        if device is not None and torch.device(device).type == "cuda":
-            device = "cpu"
-        return torch.zeros(*args, device=device, **kwargs)
+        return torch.zeros(*args, device=_on_host(device), **kwargs)
+
+    @staticmethod
+    def tensor(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(*args, device=_on_host(device), **kwargs)
 
 
-def _schedule_device_zeros() -> None:
-    # pipeline_parallel/schedules.py:596, 983 and 2138 count tokens in
-    # `torch.zeros([], dtype=torch.int, device="cuda")` in every forward-backward schedule.
+def _host_tensor_factories() -> None:
+    # Counters and flags created with an explicit device="cuda":
+    #   pipeline_parallel/schedules.py:596, 983, 2138  torch.zeros([], ..., device="cuda")
+    #   optimizer/optimizer.py:473, 481, 485, 907       torch.tensor([...], device='cuda')
+    #   optimizer/clip_grads.py:90, 103, 115, 174, 207  torch.tensor / torch.zeros(device='cuda')
+    #   utils.py:1207 (local_multi_tensor_l2_norm)      torch.tensor([...], device="cuda")
+    # Each of these modules gets a torch whose zeros / tensor put "cuda" tensors on the host.
+    from megatron.core import utils as megatron_utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.pipeline_parallel import schedules
 
-    _patch("schedule_device_zeros", schedules, "torch", _HostFactoryTorch())
+    for module in (schedules, megatron_optimizer, clip_grads, megatron_utils):
+        _patch("host_tensor_factories", module, "torch", _HostFactoryTorch())
+
+
+def _clip_grads_on_host() -> None:
+    # optimizer/clip_grads.py:167 clip_grad_by_total_norm_fp32 asserts every gradient is a
+    # 'torch.cuda.FloatTensor' (then scales them with the multi-tensor applier). The optimizer
+    # calls it by the name it imported (optimizer/optimizer.py); on the host the same scaling
+    # is an in-place multiply.
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    def clip_by_total_norm(
+        parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+    ) -> None:
+        scale = max_norm / (total_norm + 1.0e-6)
+        if scale >= 1.0:
+            return
+        params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+        attribute = "decoupled_grad" if use_decoupled_grad else "grad"
+        for param in params:
+            grad = getattr(param, attribute, None)
+            if grad is not None:
+                grad.detach().mul_(scale)
+
+    _patch(
+        "clip_grads_on_host",
+        megatron_optimizer,
+        "clip_grad_by_total_norm_fp32",
+        clip_by_total_norm,
+    )
 
 
 @dataclass(frozen=True)
@@ -223,7 +267,8 @@ PATCHES = (
     CpuPatch("causal_mask", _causal_mask),
     CpuPatch("alltoall_split_sizes", _alltoall_split_sizes),
     CpuPatch("norm_sequence_parallel", _norm_sequence_parallel),
-    CpuPatch("schedule_device_zeros", _schedule_device_zeros),
+    CpuPatch("host_tensor_factories", _host_tensor_factories),
+    CpuPatch("clip_grads_on_host", _clip_grads_on_host),
 )
 
 

@@ -119,14 +119,42 @@ def test_norm_sequence_parallel():
     assert not hasattr(plain.weight, "sequence_parallel")
 
 
-def test_schedule_device_zeros():
-    from megatron.core.pipeline_parallel import schedules
+@pytest.mark.parametrize(
+    ("module_name", "function", "snippet"),
+    [
+        (
+            "megatron.core.pipeline_parallel.schedules",
+            "forward_backward_no_pipelining",
+            'torch.zeros([], dtype=torch.int, device="cuda")',
+        ),
+        ("megatron.core.optimizer.optimizer", "FP32Optimizer", "device='cuda'"),
+        ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", "device='cuda'"),
+        ("megatron.core.utils", "local_multi_tensor_l2_norm", 'device="cuda"'),
+    ],
+)
+def test_host_tensor_factories(module_name, function, snippet):
+    import importlib
 
-    original_torch = cpu_compat.original("schedule_device_zeros", "torch")
-    source = inspect.getsource(schedules.forward_backward_no_pipelining)
-    assert 'torch.zeros([], dtype=torch.int, device="cuda")' in source
+    module = importlib.import_module(module_name)
+    assert snippet in inspect.getsource(getattr(module, function))  # upstream still asks CUDA
     with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
-        original_torch.zeros([], dtype=torch.int, device="cuda")
-    counter = schedules.torch.zeros([], dtype=torch.int, device="cuda")
-    assert counter.device.type == "cpu" and counter.dtype == torch.int
-    assert schedules.torch.float32 is torch.float32  # everything else passes through
+        torch.zeros([], device="cuda")  # and the real torch cannot give it
+    assert isinstance(module.torch, cpu_compat._HostFactoryTorch)
+    counter = module.torch.zeros([], dtype=torch.int, device="cuda")
+    flag = module.torch.tensor([1.0], dtype=torch.float, device="cuda")
+    assert counter.device.type == flag.device.type == "cpu" and counter.dtype == torch.int
+    assert module.torch.float32 is torch.float32  # everything else passes through
+
+
+def test_clip_grads_on_host():
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad = torch.full((4,), 3.0)
+    with pytest.raises(AssertionError):
+        clip_grads.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=6.0)
+    megatron_optimizer.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=6.0)
+    torch.testing.assert_close(param.grad, torch.full((4,), 3.0 / (6.0 + 1e-6)))
+    megatron_optimizer.clip_grad_by_total_norm_fp32([param], max_norm=10.0, total_norm=6.0)
+    torch.testing.assert_close(param.grad, torch.full((4,), 3.0 / (6.0 + 1e-6)))  # unclipped

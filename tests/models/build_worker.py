@@ -1,0 +1,46 @@
+"""Worker for the model-building test (one process)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.models.build import build_gpt_moe, build_optimizer, wrap_for_training
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
+from megatron_rl.parallel.schedule import PolicyLossSpec, PolicyMicroBatch, policy_forward_backward
+
+
+def build_and_step(launch: LaunchEnv, config: MoEModelConfig) -> dict:
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, launch)
+    model = build_gpt_moe(config, dims)
+    params = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    tokens = torch.randint(0, config.vocab_size, (2, 12))
+    logits = model(tokens, torch.arange(12).expand(2, 12), attention_mask=None)
+
+    ddp = wrap_for_training(model)
+    optimizer = build_optimizer(ddp, lr=1e-2)
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[:, 4:11] = True
+    batch = PolicyMicroBatch(tokens, mask, torch.full((2, 12), -5.0), torch.tensor([1.0, -1.0]))
+    spec = PolicyLossSpec("gspo", 3e-4, 4e-4)
+    before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    step = policy_forward_backward(ddp, [batch], spec)
+    with_grad = {n for n, p in ddp.module.named_parameters() if bool(p.main_grad.any())}
+    updated, grad_norm, _ = optimizer.step()
+    changed = {n for n, p in ddp.module.named_parameters() if not torch.equal(p, before[n])}
+    return {
+        "params": params,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "logits_shape": tuple(logits.shape),
+        "logits_dtype": str(logits.dtype),
+        "loss": float(step.loss),
+        "updated": bool(updated),
+        "grad_norm": float(grad_norm),
+        "params_changed": sorted(changed),
+        "params_with_grad": sorted(with_grad),
+        "params_total": len(before),
+    }
