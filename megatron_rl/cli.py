@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from megatron_rl.bench import logprobs as logprobs_bench
 from megatron_rl.bench.loss_table import DriftBatchSpec, format_markdown, loss_table
 from megatron_rl.fileio import write_text_atomic
 
@@ -24,6 +26,29 @@ def _losses(args: argparse.Namespace) -> int:
         write_text_atomic(args.json, json.dumps({"spec": vars(spec), "rows": rows}, indent=2))
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _bench_logprobs(args: argparse.Namespace) -> int:
+    spec = logprobs_bench.LogprobBenchSpec(
+        tokens=args.tokens,
+        vocab=args.vocab,
+        dtype=args.dtype,
+        repeats=args.repeats,
+        chunk_tokens=args.chunk_tokens,
+        threads=args.threads,
+    )
+    report = logprobs_bench.run_benchmark(spec)
+    print(logprobs_bench.format_markdown(report))
+    json_path, md_path = logprobs_bench.write_report(report, Path(args.out))
+    print(f"\nwrote {json_path} and {md_path}")
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
+    return value
 
 
 def _fraction(text: str) -> float:
@@ -51,6 +76,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     losses.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
     losses.set_defaults(handler=_losses)
+
+    bench = commands.add_parser("bench", help="benchmarks (results as JSON and markdown)")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    logprobs = benches.add_parser(
+        "logprobs",
+        help="log-probs + entropy forward/backward: chunked kernel vs naive log_softmax",
+    )
+    logprobs.add_argument("--tokens", type=_positive, default=4096, help="tokens (default 4096)")
+    logprobs.add_argument(
+        "--vocab", type=_positive, default=151_936, help="vocabulary size (default Qwen3's)"
+    )
+    logprobs.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    logprobs.add_argument("--repeats", type=_positive, default=3, help="timed repeats")
+    logprobs.add_argument(
+        "--chunk-tokens", type=_positive, default=None, help="tokens per chunk (default: auto)"
+    )
+    logprobs.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0: torch's default)"
+    )
+    logprobs.add_argument("--out", default="runs/bench", help="directory for the JSON and .md")
+    logprobs.set_defaults(handler=_bench_logprobs)
     return parser
 
 

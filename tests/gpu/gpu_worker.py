@@ -1,0 +1,52 @@
+"""Worker for the GPU tests: one rank on CUDA with NCCL."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from megatron_rl.models.build import (
+    build_gpt_moe,
+    build_optimizer,
+    transformer_engine_available,
+    wrap_for_training,
+)
+from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.parallel.distributed import LaunchEnv, backend, init_distributed
+from megatron_rl.parallel.schedule import PolicyLossSpec, PolicyMicroBatch, policy_forward_backward
+from tests.parallel.invariance import TINY_MOE
+
+
+def _batch() -> PolicyMicroBatch:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, TINY_MOE.vocab_size, (2, 32), generator=gen)
+    mask = torch.zeros(2, 32, dtype=torch.bool)
+    mask[:, 8:31] = True
+    return PolicyMicroBatch(
+        tokens=tokens.cuda(),
+        loss_mask=mask.cuda(),
+        old_logp=torch.full((2, 32), -4.8).cuda(),
+        advantages=torch.tensor([1.0, -1.0]).cuda(),
+    )
+
+
+def bf16_step(launch: LaunchEnv) -> dict:
+    """TE spec when TE imports (local spec otherwise), bf16, NCCL, distributed optimizer."""
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, launch)
+    model = wrap_for_training(build_gpt_moe(replace(TINY_MOE, dtype="bfloat16"), dims))
+    optimizer = build_optimizer(model, lr=1e-3)
+    before = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    step = policy_forward_backward(model, [_batch()], PolicyLossSpec("gspo", 3e-4, 4e-4))
+    updated, grad_norm, _ = optimizer.step()
+    changed = sum(not torch.equal(p, before[n]) for n, p in model.module.named_parameters())
+    return {
+        "backend": backend(),
+        "te": transformer_engine_available(),
+        "loss": float(step.loss),
+        "updated": bool(updated),
+        "grad_norm": float(grad_norm),
+        "changed": changed,
+        "distributed_optimizer": model.ddp_config.use_distributed_optimizer,
+    }
