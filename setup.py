@@ -16,6 +16,10 @@ INSTALL_REQUIRES = [
     # writer processes without psutil; the inference engine imports tqdm.
     "psutil==7.2.2",
     "tqdm==4.70.1",
+    # Hugging Face checkpoints: reference models in the tests, config classes, safetensors I/O.
+    # One transformers for the whole project: SGLang 0.5.23 runs with 5.19.
+    "transformers==5.19.0",
+    "safetensors==0.8.0",
 ]
 
 EXTRAS_REQUIRE = {

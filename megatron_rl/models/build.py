@@ -78,6 +78,7 @@ def transformer_config(
         moe_router_topk=model.router_topk,
         moe_shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size,
         moe_router_score_function=model.router_score_function,
+        moe_router_pre_softmax=model.router_pre_softmax,
         moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_token_dispatcher_type=dispatcher,

@@ -27,6 +27,9 @@ class MoEModelConfig:
         router_topk: experts each token is routed to.
         shared_expert_ffn_hidden_size: width of the always-on shared expert; None for none.
         router_score_function: "softmax" (Qwen3-MoE, Mixtral) or "sigmoid" (DeepSeek-V3).
+        router_pre_softmax: softmax over all experts, then top-k, weights not renormalised
+            (Qwen3-MoE with norm_topk_prob=False); False: top-k, then softmax over the chosen
+            (Mixtral; equal to Qwen3-MoE's default norm_topk_prob=True).
         qk_layernorm: RMSNorm on queries and keys per head (Qwen3).
         rope_theta: RoPE base.
         norm_eps: RMSNorm epsilon.
@@ -49,6 +52,7 @@ class MoEModelConfig:
     router_topk: int
     shared_expert_ffn_hidden_size: int | None = None
     router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    router_pre_softmax: bool = False
     qk_layernorm: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6

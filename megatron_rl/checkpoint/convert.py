@@ -1,0 +1,213 @@
+"""Hugging Face <-> Megatron-Core distributed checkpoints, on one process or under torchrun.
+
+A megatron-rl checkpoint directory:
+
+    megatron_rl.json   format version, model family, the MoEModelConfig
+    hf/                the source config.json and tokenizer files (used again on export)
+    weights/           megatron-core dist_checkpointing files (loadable at any TP/EP/PP)
+
+Both directions write into a temporary directory beside `--out` and rename it when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from tqdm import tqdm
+
+from megatron_rl.checkpoint.hf_files import (
+    HFCheckpoint,
+    check_output_dir,
+    copy_assets,
+    publish,
+    read_config,
+    write_safetensors_shards,
+)
+from megatron_rl.models.build import build_gpt_moe
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.families import FAMILIES, family_for
+from megatron_rl.models.families.base import ModelFamily, bind_rules
+from megatron_rl.models.hf_weights import load_hf_weights, stream_hf_weights, unmapped_hf_names
+from megatron_rl.parallel.dims import ParallelDims
+
+FORMAT_VERSION = 1
+METADATA = "megatron_rl.json"
+
+
+def _broadcast_path(path: Path | None) -> Path:
+    """Rank 0 chose it; every rank gets it."""
+    box = [str(path) if path is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _staging_dir(out: Path, *, overwrite: bool) -> Path:
+    """Rank 0 checks the target and makes a temporary sibling; every rank learns its path."""
+    error = None
+    staging = None
+    if dist.get_rank() == 0:
+        try:
+            check_output_dir(out, overwrite=overwrite)
+            staging = out.parent / f".{out.name}.partial-{torch.randint(1 << 30, ()).item()}"
+            staging.mkdir()
+        except ValueError as caught:
+            error = str(caught)
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ValueError(box[0])
+    return _broadcast_path(staging)
+
+
+def _finish(staging: Path, out: Path, failed: bool) -> None:
+    """All ranks agree on success before rank 0 publishes; any failure removes the staging."""
+    flag = torch.tensor([1 if failed else 0])
+    dist.all_reduce(flag)
+    if dist.get_rank() == 0:
+        if int(flag) == 0:
+            publish(staging, out)
+        else:
+            shutil.rmtree(staging, ignore_errors=True)
+    dist.barrier()
+
+
+def hf_to_mcore(
+    hf_dir: Path, out: Path, dims: ParallelDims, *, overwrite: bool = False, progress: bool = True
+) -> None:
+    """Convert a Hugging Face checkpoint into a Megatron-Core distributed checkpoint.
+
+    Runs on every rank of an initialised world laid out as `dims`; each rank reads only the
+    tensors of its own shard.
+    """
+    source = HFCheckpoint(hf_dir)
+    family = family_for(source.config)
+    config = family.config_from_hf(source.config)
+    extra = unmapped_hf_names(family, config, source.names())
+    if extra:
+        raise ValueError(
+            f"{hf_dir}: {len(extra)} tensor(s) the {family.architecture} mapping does not use, "
+            f"e.g. {extra[:3]}; the config and the weights disagree"
+        )
+    staging = _staging_dir(out, overwrite=overwrite)
+    failed = True
+    try:
+        model = build_gpt_moe(config, dims)
+        num_params = sum(1 for _ in model.parameters())
+        bar = _Progress(num_params, "hf-to-mcore", progress and dist.get_rank() == 0)
+        try:
+            load_hf_weights(model, family, config, source.tensor, source.shape, on_param=bar)
+        finally:
+            bar.close()
+        (staging / "weights").mkdir(exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(model.sharded_state_dict(), str(staging / "weights"))
+        if dist.get_rank() == 0:
+            (staging / "hf").mkdir()
+            shutil.copy2(hf_dir / "config.json", staging / "hf" / "config.json")
+            copy_assets(source.asset_files(), staging / "hf")
+            metadata = {
+                "format": FORMAT_VERSION,
+                "architecture": family.architecture,
+                "model": asdict(config),
+            }
+            (staging / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+        failed = False
+    finally:
+        _finish(staging, out, failed)
+
+
+def read_metadata(ckpt: Path) -> tuple[ModelFamily, MoEModelConfig]:
+    path = ckpt / METADATA
+    if not path.is_file():
+        raise ValueError(f"--ckpt {ckpt}: no {METADATA}; not a megatron-rl checkpoint")
+    try:
+        metadata = json.loads(path.read_text())
+        version, architecture = metadata["format"], metadata["architecture"]
+        config = MoEModelConfig(**metadata["model"])
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: unreadable ({error!r})") from None
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path}: format {version}, this version reads {FORMAT_VERSION}")
+    if architecture not in FAMILIES:
+        raise ValueError(
+            f"{path}: architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(FAMILIES)}"
+        )
+    if not (ckpt / "weights").is_dir():
+        raise ValueError(f"--ckpt {ckpt}: the weights/ directory is missing")
+    return FAMILIES[architecture], config
+
+
+def mcore_to_hf(
+    ckpt: Path,
+    out: Path,
+    dims: ParallelDims,
+    *,
+    overwrite: bool = False,
+    max_shard_bytes: int = 5 * 2**30,
+    bucket_bytes: int = 512 * 2**20,
+    progress: bool = True,
+) -> None:
+    """Write a Hugging Face checkpoint (config.json, sharded safetensors with an index,
+    tokenizer files) from a megatron-rl checkpoint; rank 0 writes, every rank streams."""
+    family, config = read_metadata(ckpt)
+    staging = _staging_dir(out, overwrite=overwrite)
+    failed = True
+    try:
+        model = build_gpt_moe(config, dims)
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt / "weights"))
+        model.load_state_dict(state)
+        stream = stream_hf_weights(model, family, config, bucket_bytes=bucket_bytes)
+        if dist.get_rank() == 0:
+            _write_hf(staging, ckpt, family, config, stream, max_shard_bytes, progress)
+        else:
+            for _ in stream:
+                pass
+        failed = False
+    finally:
+        _finish(staging, out, failed)
+
+
+class _Progress:
+    """A tqdm bar counting tensors, with the bytes so far beside it."""
+
+    def __init__(self, total: int, description: str, enabled: bool) -> None:
+        self.bar = tqdm(total=total, unit="tensor", desc=description, disable=not enabled)
+        self.bytes = 0
+
+    def __call__(self, size: int) -> None:
+        self.bytes += size
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"{self.bytes / 2**30:.2f} GiB")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _write_hf(
+    staging: Path,
+    ckpt: Path,
+    family: ModelFamily,
+    config: MoEModelConfig,
+    stream: Iterator[list[tuple[str, torch.Tensor]]],
+    max_shard_bytes: int,
+    progress: bool,
+) -> None:
+    source_config = ckpt / "hf" / "config.json"
+    hf_config = read_config(ckpt / "hf") if source_config.is_file() else family.config_to_hf(config)
+    total = sum(len(rule.hf) for rule in bind_rules(family, config).values())
+    bar = _Progress(total, "mcore-to-hf", progress)
+    try:
+        tensors = (pair for bucket in stream for pair in bucket)
+        write_safetensors_shards(staging, tensors, max_shard_bytes=max_shard_bytes, on_tensor=bar)
+    finally:
+        bar.close()
+    (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    copy_assets([p for p in (ckpt / "hf").glob("*") if p.name != "config.json"], staging)

@@ -1,0 +1,148 @@
+"""The declarative mapping between Megatron-Core and Hugging Face weights.
+
+A model family is a list of `WeightRule`s, each tying one Megatron-Core tensor to one or more
+Hugging Face tensors through a `Transform`, plus the two config conversions. Names are written as
+templates with `{layer}` and `{expert}`; Megatron-Core names are *global* (layer index over the
+whole model, expert index over all experts), as if the model were on one process. Sharding (TP
+slices, EP-local expert indices, PP layer offsets) is handled apart, in `models/hf_weights.py`,
+so a family never sees it. A new family (e.g. DeepSeek-V3 with MLA) is one new file of rules and
+config conversions, plus a Transform where a tensor needs a new kind of rearrangement.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from megatron_rl.models.config import MoEModelConfig
+
+
+class Transform(Protocol):
+    """How Hugging Face tensors become one Megatron-Core tensor, and back (exact inverses)."""
+
+    def to_megatron(self, hf: list[Tensor], config: MoEModelConfig) -> Tensor: ...
+
+    def to_hf(self, megatron: Tensor, config: MoEModelConfig) -> list[Tensor]: ...
+
+
+class Copy:
+    """Same tensor under another name."""
+
+    def to_megatron(self, hf: list[Tensor], config: MoEModelConfig) -> Tensor:
+        return hf[0]
+
+    def to_hf(self, megatron: Tensor, config: MoEModelConfig) -> list[Tensor]:
+        return [megatron]
+
+
+class FusedQKV:
+    """HF q [heads*d, H], k [groups*d, H], v [groups*d, H] <-> Megatron-Core's fused QKV, grouped
+    by key/value head: for each group, its query heads, then its key, then its value. That
+    grouping is what lets tensor parallelism split the fused weight contiguously by groups."""
+
+    def to_megatron(self, hf: list[Tensor], config: MoEModelConfig) -> Tensor:
+        q, k, v = hf
+        groups, dim = config.num_query_groups, config.kv_channels
+        hidden = q.shape[1]
+        per_group = [
+            q.reshape(groups, -1, dim, hidden),
+            k.reshape(groups, 1, dim, hidden),
+            v.reshape(groups, 1, dim, hidden),
+        ]
+        return torch.cat(per_group, dim=1).reshape(-1, hidden)
+
+    def to_hf(self, megatron: Tensor, config: MoEModelConfig) -> list[Tensor]:
+        groups, dim = config.num_query_groups, config.kv_channels
+        heads_per_group = config.num_attention_heads // groups
+        hidden = megatron.shape[1]
+        grouped = megatron.reshape(groups, heads_per_group + 2, dim, hidden)
+        q, k, v = grouped.split([heads_per_group, 1, 1], dim=1)
+        return [t.reshape(-1, hidden).contiguous() for t in (q, k, v)]
+
+
+class FusedGateUp:
+    """HF gate [F, H] and up [F, H] <-> Megatron-Core's SwiGLU fc1 [2F, H] = [gate; up]."""
+
+    def to_megatron(self, hf: list[Tensor], config: MoEModelConfig) -> Tensor:
+        return torch.cat(hf, dim=0)
+
+    def to_hf(self, megatron: Tensor, config: MoEModelConfig) -> list[Tensor]:
+        return [t.contiguous() for t in megatron.chunk(2, dim=0)]
+
+
+COPY, FUSED_QKV, FUSED_GATE_UP = Copy(), FusedQKV(), FusedGateUp()
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """One Megatron-Core tensor and the Hugging Face tensors it is made of."""
+
+    megatron: str  # template, global indices: "decoder.layers.{layer}.mlp.router.weight"
+    hf: tuple[str, ...]  # templates: ("model.layers.{layer}.mlp.gate.weight",)
+    transform: Transform = COPY
+    when: Callable[[MoEModelConfig], bool] = lambda config: True  # e.g. untied embeddings only
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A Hugging Face architecture: its weight rules and its config conversions."""
+
+    architecture: str  # config.json "architectures"[0], e.g. "Qwen3MoeForCausalLM"
+    model_type: str  # config.json "model_type"
+    rules: tuple[WeightRule, ...]
+    config_from_hf: Callable[[dict[str, Any]], MoEModelConfig]
+    config_to_hf: Callable[[MoEModelConfig], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class BoundRule:
+    """A rule with its indices filled in: concrete names of one Megatron-Core tensor."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    transform: Transform
+
+
+def _fill(template: str, layer: int | None, expert: int | None) -> str:
+    return template.format(layer=layer, expert=expert)
+
+
+def bind_rules(family: ModelFamily, config: MoEModelConfig) -> dict[str, BoundRule]:
+    """Every Megatron-Core tensor of the model (global names) -> its concrete rule."""
+    bound: dict[str, BoundRule] = {}
+    for rule in family.rules:
+        if not rule.when(config):
+            continue
+        layers = range(config.num_layers) if "{layer}" in rule.megatron else [None]
+        experts = range(config.num_experts) if "{expert}" in rule.megatron else [None]
+        for layer in layers:
+            for expert in experts:
+                name = _fill(rule.megatron, layer, expert)
+                hf = tuple(_fill(t, layer, expert) for t in rule.hf)
+                bound[name] = BoundRule(name, hf, rule.transform)
+    return bound
+
+
+def hf_names(bound: dict[str, BoundRule]) -> Iterator[str]:
+    for rule in bound.values():
+        yield from rule.hf
+
+
+# Megatron-Core's Transformer Engine spec fuses the input norm into the QKV projection; the
+# mapping is written for the local spec's names.
+TE_ALIASES = (
+    (re.compile(r"self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
+)
+
+
+def canonical_megatron_name(name: str) -> str:
+    """The local-spec name of a parameter (Transformer Engine spec names mapped back)."""
+    for pattern, replacement in TE_ALIASES:
+        if pattern.search(name):
+            return pattern.sub(replacement, name)
+    return name

@@ -1,0 +1,71 @@
+"""Mixtral (MixtralForCausalLM): GQA, every layer MoE with top-k-then-softmax routing, experts
+named w1 (gate), w3 (up), w2 (down) under block_sparse_moe."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.families import common
+from megatron_rl.models.families.base import FUSED_GATE_UP, ModelFamily, WeightRule
+
+LAYER, HF = "decoder.layers.{layer}", "model.layers.{layer}"
+EXPERT = f"{LAYER}.mlp.experts.local_experts.{{expert}}"
+HF_EXPERT = f"{HF}.block_sparse_moe.experts.{{expert}}"
+
+RULES = (
+    *common.embedding_and_head_rules(),
+    *common.attention_rules(),
+    WeightRule(f"{LAYER}.mlp.router.weight", (f"{HF}.block_sparse_moe.gate.weight",)),
+    WeightRule(
+        f"{EXPERT}.linear_fc1.weight",
+        (f"{HF_EXPERT}.w1.weight", f"{HF_EXPERT}.w3.weight"),
+        FUSED_GATE_UP,
+    ),
+    WeightRule(f"{EXPERT}.linear_fc2.weight", (f"{HF_EXPERT}.w2.weight",)),
+)
+
+
+def config_from_hf(hf: dict[str, Any]) -> MoEModelConfig:
+    require = common.require
+    if hf.get("sliding_window") is not None:
+        raise ValueError("config.json: sliding-window attention is not supported")
+    heads = require(hf, "num_attention_heads")
+    expert_ffn = require(hf, "intermediate_size")
+    return MoEModelConfig(
+        num_layers=require(hf, "num_hidden_layers"),
+        hidden_size=require(hf, "hidden_size"),
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim"),
+        ffn_hidden_size=expert_ffn,
+        moe_ffn_hidden_size=expert_ffn,
+        num_experts=require(hf, "num_local_experts"),
+        router_topk=require(hf, "num_experts_per_tok"),
+        rope_theta=common.rope_theta(hf),
+        norm_eps=hf.get("rms_norm_eps", 1e-5),
+        vocab_size=require(hf, "vocab_size"),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        dtype=common.dtype(hf),
+    )
+
+
+def config_to_hf(config: MoEModelConfig) -> dict[str, Any]:
+    return common.llama_style_fields(config) | {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": config.moe_ffn_hidden_size,
+        "num_local_experts": config.num_experts,
+        "sliding_window": None,
+        "router_jitter_noise": 0.0,
+    }
+
+
+FAMILY = ModelFamily(
+    architecture="MixtralForCausalLM",
+    model_type="mixtral",
+    rules=RULES,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+)

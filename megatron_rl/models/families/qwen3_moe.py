@@ -1,0 +1,85 @@
+"""Qwen3-MoE (Qwen3MoeForCausalLM): GQA with per-head RMSNorm on queries and keys, every layer
+MoE, softmax router (top-k renormalised by default), no shared expert."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.families import common
+from megatron_rl.models.families.base import FUSED_GATE_UP, ModelFamily, WeightRule
+
+LAYER, HF = "decoder.layers.{layer}", "model.layers.{layer}"
+EXPERT = f"{LAYER}.mlp.experts.local_experts.{{expert}}"
+HF_EXPERT = f"{HF}.mlp.experts.{{expert}}"
+
+RULES = (
+    *common.embedding_and_head_rules(),
+    *common.attention_rules(),
+    WeightRule(f"{LAYER}.self_attention.q_layernorm.weight", (f"{HF}.self_attn.q_norm.weight",)),
+    WeightRule(f"{LAYER}.self_attention.k_layernorm.weight", (f"{HF}.self_attn.k_norm.weight",)),
+    WeightRule(f"{LAYER}.mlp.router.weight", (f"{HF}.mlp.gate.weight",)),
+    WeightRule(
+        f"{EXPERT}.linear_fc1.weight",
+        (f"{HF_EXPERT}.gate_proj.weight", f"{HF_EXPERT}.up_proj.weight"),
+        FUSED_GATE_UP,
+    ),
+    WeightRule(f"{EXPERT}.linear_fc2.weight", (f"{HF_EXPERT}.down_proj.weight",)),
+)
+
+
+def config_from_hf(hf: dict[str, Any]) -> MoEModelConfig:
+    require = common.require
+    layers = require(hf, "num_hidden_layers")
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        raise ValueError(
+            "config.json: dense layers (decoder_sparse_step != 1 or mlp_only_layers) are not "
+            "supported; every layer must be MoE"
+        )
+    if hf.get("attention_bias") or hf.get("use_sliding_window"):
+        raise ValueError("config.json: attention_bias and sliding windows are not supported")
+    heads = require(hf, "num_attention_heads")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise ValueError("config.json: missing field 'num_experts'")
+    return MoEModelConfig(
+        num_layers=layers,
+        hidden_size=require(hf, "hidden_size"),
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim"),
+        ffn_hidden_size=require(hf, "intermediate_size"),
+        moe_ffn_hidden_size=require(hf, "moe_intermediate_size"),
+        num_experts=experts,
+        router_topk=require(hf, "num_experts_per_tok"),
+        router_pre_softmax=not hf.get("norm_topk_prob", True),
+        qk_layernorm=True,
+        rope_theta=common.rope_theta(hf),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        vocab_size=require(hf, "vocab_size"),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        dtype=common.dtype(hf),
+    )
+
+
+def config_to_hf(config: MoEModelConfig) -> dict[str, Any]:
+    return common.llama_style_fields(config) | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "intermediate_size": config.ffn_hidden_size,
+        "moe_intermediate_size": config.moe_ffn_hidden_size,
+        "num_experts": config.num_experts,
+        "norm_topk_prob": not config.router_pre_softmax,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+FAMILY = ModelFamily(
+    architecture="Qwen3MoeForCausalLM",
+    model_type="qwen3_moe",
+    rules=RULES,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+)

@@ -1,0 +1,78 @@
+"""Workers for the conversion tests: logits of HF vs converted Megatron-Core models, and the
+conversions themselves on 1 or 2 ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from transformers import AutoModelForCausalLM
+
+from megatron_rl.checkpoint.convert import hf_to_mcore, mcore_to_hf
+from megatron_rl.checkpoint.hf_files import HFCheckpoint
+from megatron_rl.models.build import build_gpt_moe
+from megatron_rl.models.families import family_for
+from megatron_rl.models.hf_weights import load_hf_weights, stream_hf_weights
+from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
+
+
+def _dims(launch: LaunchEnv, layout: dict) -> ParallelDims:
+    return ParallelDims(world_size=launch.world_size, **layout)
+
+
+def logits_match(launch: LaunchEnv, hf_dir: str, layout: dict) -> dict:
+    dims = _dims(launch, layout)
+    init_distributed(dims, launch)
+    source = HFCheckpoint(hf_dir)
+    family = family_for(source.config)
+    config = family.config_from_hf(source.config)
+    model = build_gpt_moe(config, dims)
+    load_hf_weights(model, family, config, source.tensor, source.shape)
+    model.eval()
+    tokens = torch.randint(
+        0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        local = model(tokens, torch.arange(24).expand(2, 24), attention_mask=None)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
+        megatron_logits = torch.cat(parts, dim=-1)
+        reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        hf_logits = reference(tokens).logits
+    return {
+        "max_abs_diff": float((megatron_logits - hf_logits).abs().max()),
+        "logit_scale": float(hf_logits.abs().max()),
+    }
+
+
+def convert_both_ways(launch: LaunchEnv, hf_dir: str, workdir: str, layout: dict) -> dict:
+    dims = _dims(launch, layout)
+    init_distributed(dims, launch)
+    ckpt, back = Path(workdir) / "mcore", Path(workdir) / "hf-again"
+    hf_to_mcore(Path(hf_dir), ckpt, dims, progress=False)
+    mcore_to_hf(ckpt, back, dims, max_shard_bytes=40_000, progress=False)
+    return {"ckpt": str(ckpt), "back": str(back)}
+
+
+def stream_report(launch: LaunchEnv, hf_dir: str, layout: dict, bucket_bytes: int) -> dict:
+    dims = _dims(launch, layout)
+    init_distributed(dims, launch)
+    source = HFCheckpoint(hf_dir)
+    family = family_for(source.config)
+    config = family.config_from_hf(source.config)
+    model = build_gpt_moe(config, dims)
+    load_hf_weights(model, family, config, source.tensor, source.shape)
+    buckets = []
+    for bucket in stream_hf_weights(model, family, config, bucket_bytes=bucket_bytes):
+        buckets.append(
+            [
+                (name, tuple(t.shape), bool(torch.equal(t, source.tensor(name))))
+                for name, t in bucket
+            ]
+        )
+    sizes = [sum(source.tensor(name).numel() * 4 for name, _, _ in bucket) for bucket in buckets]
+    return {"buckets": buckets, "bucket_sizes": sizes}
