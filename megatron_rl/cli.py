@@ -9,7 +9,11 @@ from pathlib import Path
 
 from megatron_rl.bench import logprobs as logprobs_bench
 from megatron_rl.bench.loss_table import DriftBatchSpec, format_markdown, loss_table
+from megatron_rl.checkpoint import convert
+from megatron_rl.checkpoint.hf_files import check_output_dir
 from megatron_rl.fileio import write_text_atomic
+from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, shutdown_distributed
 
 
 def _losses(args: argparse.Namespace) -> int:
@@ -41,6 +45,48 @@ def _bench_logprobs(args: argparse.Namespace) -> int:
     print(logprobs_bench.format_markdown(report))
     json_path, md_path = logprobs_bench.write_report(report, Path(args.out))
     print(f"\nwrote {json_path} and {md_path}")
+    return 0
+
+
+def _layout(args: argparse.Namespace) -> tuple[LaunchEnv, ParallelDims]:
+    launch = LaunchEnv.from_environ()
+    dims = ParallelDims(
+        world_size=launch.world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp
+    )
+    return launch, dims
+
+
+def _convert_hf_to_mcore(args: argparse.Namespace) -> int:
+    source = convert.inspect_hf(Path(args.hf))
+    check_output_dir(Path(args.out), overwrite=args.overwrite)
+    launch, dims = _layout(args)
+    init_distributed(dims, launch)
+    try:
+        convert.hf_to_mcore(source, Path(args.out), dims, overwrite=args.overwrite)
+    finally:
+        shutdown_distributed()
+    if launch.rank == 0:
+        print(f"wrote {args.out} ({source.family.architecture}, {dims.describe()})")
+    return 0
+
+
+def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
+    convert.read_metadata(Path(args.ckpt))
+    check_output_dir(Path(args.out), overwrite=args.overwrite)
+    launch, dims = _layout(args)
+    init_distributed(dims, launch)
+    try:
+        convert.mcore_to_hf(
+            Path(args.ckpt),
+            Path(args.out),
+            dims,
+            overwrite=args.overwrite,
+            max_shard_bytes=args.max_shard_mib * 2**20,
+        )
+    finally:
+        shutdown_distributed()
+    if launch.rank == 0:
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -97,12 +143,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     logprobs.add_argument("--out", default="runs/bench", help="directory for the JSON and .md")
     logprobs.set_defaults(handler=_bench_logprobs)
+
+    convert_parser = commands.add_parser(
+        "convert",
+        help="Hugging Face <-> Megatron-Core checkpoints (one process, or under torchrun)",
+    )
+    directions = convert_parser.add_subparsers(dest="direction", required=True)
+    to_mcore = directions.add_parser(
+        "hf-to-mcore", help="a Hugging Face checkpoint -> a Megatron-Core distributed checkpoint"
+    )
+    to_mcore.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
+    to_mcore.add_argument("--out", required=True, help="megatron-rl checkpoint directory")
+    to_hf = directions.add_parser(
+        "mcore-to-hf", help="a megatron-rl checkpoint -> a Hugging Face checkpoint"
+    )
+    to_hf.add_argument("--ckpt", required=True, help="megatron-rl checkpoint directory")
+    to_hf.add_argument("--out", required=True, help="Hugging Face checkpoint directory")
+    to_hf.add_argument(
+        "--max-shard-mib", type=_positive, default=5 * 1024, help="largest safetensors shard"
+    )
+    for direction, handler in ((to_mcore, _convert_hf_to_mcore), (to_hf, _convert_mcore_to_hf)):
+        for dim in ("tp", "ep", "pp"):
+            direction.add_argument(
+                f"--{dim}", type=_positive, default=1, help=f"{dim} size (with torchrun)"
+            )
+        direction.add_argument("--etp", type=_positive, default=None, help="expert TP (default tp)")
+        direction.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+        direction.set_defaults(handler=handler)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except ValueError as error:
+        print(f"megatron-rl: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -34,7 +34,12 @@ from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import FAMILIES, family_for
 from megatron_rl.models.families.base import ModelFamily, bind_rules
-from megatron_rl.models.hf_weights import load_hf_weights, stream_hf_weights, unmapped_hf_names
+from megatron_rl.models.hf_weights import (
+    apply_hf_load,
+    plan_hf_load,
+    stream_hf_weights,
+    unmapped_hf_names,
+)
 from megatron_rl.parallel.dims import ParallelDims
 
 FORMAT_VERSION = 1
@@ -78,31 +83,63 @@ def _finish(staging: Path, out: Path, failed: bool) -> None:
     dist.barrier()
 
 
-def hf_to_mcore(
-    hf_dir: Path, out: Path, dims: ParallelDims, *, overwrite: bool = False, progress: bool = True
-) -> None:
-    """Convert a Hugging Face checkpoint into a Megatron-Core distributed checkpoint.
+@dataclass(frozen=True)
+class HFSource:
+    """A Hugging Face checkpoint, checked and matched to a family (before any process group)."""
 
-    Runs on every rank of an initialised world laid out as `dims`; each rank reads only the
-    tensors of its own shard.
-    """
-    source = HFCheckpoint(hf_dir)
-    family = family_for(source.config)
-    config = family.config_from_hf(source.config)
-    extra = unmapped_hf_names(family, config, source.names())
+    checkpoint: HFCheckpoint
+    family: ModelFamily
+    config: MoEModelConfig
+
+
+def inspect_hf(hf_dir: Path) -> HFSource:
+    """Open and check a Hugging Face checkpoint: files, architecture, config, unused tensors."""
+    checkpoint = HFCheckpoint(hf_dir)
+    family = family_for(checkpoint.config)
+    config = family.config_from_hf(checkpoint.config)
+    extra = unmapped_hf_names(family, config, checkpoint.names())
     if extra:
         raise ValueError(
             f"{hf_dir}: {len(extra)} tensor(s) the {family.architecture} mapping does not use, "
             f"e.g. {extra[:3]}; the config and the weights disagree"
         )
+    return HFSource(checkpoint, family, config)
+
+
+def _agree(error: str | None) -> None:
+    """Every rank raises the first rank's error, so that no rank waits in a collective."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise ValueError(first)
+
+
+def hf_to_mcore(
+    source: HFSource,
+    out: Path,
+    dims: ParallelDims,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> None:
+    """Convert a Hugging Face checkpoint into a megatron-rl checkpoint (Megatron-Core
+    distributed weights). Runs on every rank of a world laid out as `dims`; each rank reads only
+    the tensors of its own shard."""
     staging = _staging_dir(out, overwrite=overwrite)
     failed = True
     try:
+        family, config = source.family, source.config
         model = build_gpt_moe(config, dims)
-        num_params = sum(1 for _ in model.parameters())
-        bar = _Progress(num_params, "hf-to-mcore", progress and dist.get_rank() == 0)
+        plan, error = None, None
         try:
-            load_hf_weights(model, family, config, source.tensor, source.shape, on_param=bar)
+            plan = plan_hf_load(model, family, config, source.checkpoint.shape)
+        except ValueError as caught:
+            error = str(caught)
+        _agree(error)
+        bar = _Progress(len(plan.entries), "hf-to-mcore", progress and dist.get_rank() == 0)
+        try:
+            apply_hf_load(plan, source.checkpoint.tensor, on_param=bar)
         finally:
             bar.close()
         (staging / "weights").mkdir(exist_ok=True)
@@ -110,8 +147,8 @@ def hf_to_mcore(
         dist_checkpointing.save(model.sharded_state_dict(), str(staging / "weights"))
         if dist.get_rank() == 0:
             (staging / "hf").mkdir()
-            shutil.copy2(hf_dir / "config.json", staging / "hf" / "config.json")
-            copy_assets(source.asset_files(), staging / "hf")
+            shutil.copy2(source.checkpoint.directory / "config.json", staging / "hf")
+            copy_assets(source.checkpoint.asset_files(), staging / "hf")
             metadata = {
                 "format": FORMAT_VERSION,
                 "architecture": family.architecture,

@@ -129,22 +129,25 @@ def expected_hf_shapes(
     return [tuple(t.shape) for t in rule.transform.to_hf(meta, config)]
 
 
-def load_hf_weights(
+@dataclass(frozen=True)
+class HFLoadPlan:
+    """What `apply_hf_load` will copy: each local parameter with its rule and TP layout."""
+
+    config: MoEModelConfig
+    entries: list[tuple[Tensor, BoundRule, TPLayout]]
+
+
+def plan_hf_load(
     model: torch.nn.Module,
     family: ModelFamily,
     config: MoEModelConfig,
-    read: Callable[[str], Tensor],
     shape_of: Callable[[str], tuple[int, ...]],
-    on_param: Callable[[int], None] | None = None,
-) -> int:
-    """Fill this rank's parameters from Hugging Face tensors; returns how many it loaded.
-
-    `shape_of(name)` gives a tensor's shape without reading it, so that a config that disagrees
-    with the weights fails naming the tensor and both shapes before anything is copied.
-    `on_param(bytes)` is called after each parameter (progress).
-    """
+) -> HFLoadPlan:
+    """Match this rank's parameters to Hugging Face tensors and check every shape first
+    (`shape_of(name)` reads a checkpoint header, not the tensor): a config that disagrees with
+    the weights fails here, naming the tensor and both shapes, before anything is copied."""
     bound = bind_rules(family, config)
-    plan = []
+    entries = []
     for local_name, param in model.named_parameters():
         rule = _rule_for(bound, global_name(model, local_name), config)
         layout = tp_layout(local_name, param)
@@ -156,14 +159,34 @@ def load_hf_weights(
                     f"{hf_name}: checkpoint shape {list(actual)} disagrees with the shape "
                     f"{list(shape)} the config implies"
                 )
-        plan.append((param, rule, layout))
+        entries.append((param, rule, layout))
+    return HFLoadPlan(config, entries)
+
+
+def apply_hf_load(
+    plan: HFLoadPlan,
+    read: Callable[[str], Tensor],
+    on_param: Callable[[int], None] | None = None,
+) -> None:
+    """Copy each planned parameter's slice from the Hugging Face tensors `read(name)` returns;
+    `on_param(bytes)` is called after each (progress)."""
     with torch.no_grad():
-        for param, rule, layout in plan:
-            full = rule.transform.to_megatron([read(name) for name in rule.hf], config)
+        for param, rule, layout in plan.entries:
+            full = rule.transform.to_megatron([read(name) for name in rule.hf], plan.config)
             param.copy_(tp_slice(full, layout))
             if on_param is not None:
                 on_param(full.numel() * full.element_size())
-    return len(plan)
+
+
+def load_hf_weights(
+    model: torch.nn.Module,
+    family: ModelFamily,
+    config: MoEModelConfig,
+    read: Callable[[str], Tensor],
+    shape_of: Callable[[str], tuple[int, ...]],
+) -> None:
+    """Fill this rank's parameters from Hugging Face tensors (plan, then copy)."""
+    apply_hf_load(plan_hf_load(model, family, config, shape_of), read)
 
 
 def unmapped_hf_names(

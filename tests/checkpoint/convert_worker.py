@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.checkpoint.convert import hf_to_mcore, mcore_to_hf
+from megatron_rl.checkpoint.convert import hf_to_mcore, inspect_hf, mcore_to_hf
 from megatron_rl.checkpoint.hf_files import HFCheckpoint
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.families import family_for
@@ -53,7 +53,7 @@ def convert_both_ways(launch: LaunchEnv, hf_dir: str, workdir: str, layout: dict
     dims = _dims(launch, layout)
     init_distributed(dims, launch)
     ckpt, back = Path(workdir) / "mcore", Path(workdir) / "hf-again"
-    hf_to_mcore(Path(hf_dir), ckpt, dims, progress=False)
+    hf_to_mcore(inspect_hf(Path(hf_dir)), ckpt, dims, progress=False)
     mcore_to_hf(ckpt, back, dims, max_shard_bytes=40_000, progress=False)
     return {"ckpt": str(ckpt), "back": str(back)}
 

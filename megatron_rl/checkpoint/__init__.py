@@ -1,0 +1,1 @@
+"""Checkpoints: Hugging Face files, and conversion to and from Megatron-Core."""

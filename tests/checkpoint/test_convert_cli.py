@@ -1,0 +1,101 @@
+"""The convert CLI: bad input fails clearly and leaves nothing half-written; --overwrite."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from megatron_rl.cli import main
+from tests.checkpoint.tiny_hf import save_tiny
+
+
+@pytest.fixture
+def hf(tmp_path):
+    return save_tiny("qwen3_moe", tmp_path / "hf")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).parent / "megatron-rl"
+    return subprocess.run([str(script), *args], capture_output=True, text=True, timeout=300)
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def _edit_config(directory: Path, **changes) -> None:
+    path = directory / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def test_missing_config(hf, tmp_path, capsys):
+    (hf / "config.json").unlink()
+    assert main(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "o")]) == 2
+    assert "config.json: missing" in capsys.readouterr().err
+
+
+def test_missing_weights_and_corrupt_file(hf, tmp_path, capsys):
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "o")]) == 2
+    assert "model.safetensors: not a readable safetensors file" in capsys.readouterr().err
+    weights.unlink()
+    assert main(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "o")]) == 2
+    assert (
+        "no weights (model.safetensors or model.safetensors.index.json)" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_unsupported_architecture_lists_the_supported_ones(hf, tmp_path, capsys):
+    _edit_config(hf, architectures=["LlamaForCausalLM"], model_type="llama")
+    assert main(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "o")]) == 2
+    error = capsys.readouterr().err
+    assert "architecture ['LlamaForCausalLM'] is not supported" in error
+    assert "supported: Qwen3MoeForCausalLM, MixtralForCausalLM" in error
+
+
+def test_tensor_the_mapping_does_not_use(hf, tmp_path, capsys):
+    weights = load_file(hf / "model.safetensors")
+    weights["model.layers.0.mlp.shared_expert.weight"] = weights["model.norm.weight"].clone()
+    save_file(weights, hf / "model.safetensors", metadata={"format": "pt"})
+    assert main(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "o")]) == 2
+    assert "mlp.shared_expert.weight" in capsys.readouterr().err
+
+
+def test_existing_output_is_refused_without_overwrite(hf, tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep").write_text("mine")
+    assert main(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out)]) == 2
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert (out / "keep").read_text() == "mine"
+    assert main(["convert", "mcore-to-hf", "--ckpt", str(hf), "--out", str(out)]) == 2
+    assert "no megatron_rl.json; not a megatron-rl checkpoint" in capsys.readouterr().err
+
+
+def test_config_that_disagrees_with_the_weights_names_the_tensor_and_leaves_nothing(hf, tmp_path):
+    _edit_config(hf, moe_intermediate_size=8)
+    done = _cli("convert", "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "o"))
+    assert done.returncode == 2, done.stderr
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight: checkpoint shape [16, 32]" in done.stderr
+    assert "disagrees with the shape [8, 32] the config implies" in done.stderr
+    assert not (tmp_path / "o").exists() and _leftovers(tmp_path) == []
+
+
+def test_overwrite_replaces_a_finished_conversion(hf, tmp_path):
+    out = tmp_path / "o"
+    first = _cli("convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out))
+    assert first.returncode == 0, first.stderr
+    assert "hf-to-mcore" in first.stderr  # the progress bar
+    again = _cli("convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out), "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert json.loads((out / "megatron_rl.json").read_text())["architecture"] == (
+        "Qwen3MoeForCausalLM"
+    )
+    assert _leftovers(tmp_path) == []
