@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_rl.bench import convert as convert_bench
 from megatron_rl.bench import logprobs as logprobs_bench
 from megatron_rl.bench.loss_table import DriftBatchSpec, format_markdown, loss_table
 from megatron_rl.checkpoint import convert
@@ -90,6 +91,15 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_convert(args: argparse.Namespace) -> int:
+    spec = convert_bench.ConvertBenchSpec(num_layers=args.layers, max_shard_mib=args.max_shard_mib)
+    report = convert_bench.run_benchmark(spec, Path(args.workdir))
+    print(convert_bench.format_markdown(report))
+    json_path, md_path = convert_bench.write_report(report, Path(args.out))
+    print(f"\nwrote {json_path} and {md_path}")
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -143,6 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     logprobs.add_argument("--out", default="runs/bench", help="directory for the JSON and .md")
     logprobs.set_defaults(handler=_bench_logprobs)
+
+    convert_bench_parser = benches.add_parser(
+        "convert", help="checkpoint conversion both ways vs cp of the same bytes"
+    )
+    convert_bench_parser.add_argument(
+        "--layers", type=_positive, default=24, help="layers (24: about 2 GB in bfloat16)"
+    )
+    convert_bench_parser.add_argument("--max-shard-mib", type=_positive, default=5 * 1024)
+    convert_bench_parser.add_argument(
+        "--workdir", default="runs/bench/convert-work", help="scratch space (removed after)"
+    )
+    convert_bench_parser.add_argument("--out", default="runs/bench")
+    convert_bench_parser.set_defaults(handler=_bench_convert)
 
     convert_parser = commands.add_parser(
         "convert",

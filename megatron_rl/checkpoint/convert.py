@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from tqdm import tqdm
 
 from megatron_rl.checkpoint.hf_files import (
     HFCheckpoint,
+    TensorSpec,
     check_output_dir,
     copy_assets,
     publish,
@@ -33,8 +33,9 @@ from megatron_rl.checkpoint.hf_files import (
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import FAMILIES, family_for
-from megatron_rl.models.families.base import ModelFamily, bind_rules
+from megatron_rl.models.families.base import ModelFamily
 from megatron_rl.models.hf_weights import (
+    HFWeightStream,
     apply_hf_load,
     plan_hf_load,
     stream_hf_weights,
@@ -130,7 +131,7 @@ def hf_to_mcore(
     failed = True
     try:
         family, config = source.family, source.config
-        model = build_gpt_moe(config, dims)
+        model = build_gpt_moe(config, dims, initialize=False)
         plan, error = None, None
         try:
             plan = plan_hf_load(model, family, config, source.checkpoint.shape)
@@ -142,6 +143,7 @@ def hf_to_mcore(
             apply_hf_load(plan, source.checkpoint.tensor, on_param=bar)
         finally:
             bar.close()
+            source.checkpoint.close()
         (staging / "weights").mkdir(exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(model.sharded_state_dict(), str(staging / "weights"))
@@ -198,7 +200,7 @@ def mcore_to_hf(
     staging = _staging_dir(out, overwrite=overwrite)
     failed = True
     try:
-        model = build_gpt_moe(config, dims)
+        model = build_gpt_moe(config, dims, initialize=False)
         state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt / "weights"))
         model.load_state_dict(state)
         stream = stream_hf_weights(model, family, config, bucket_bytes=bucket_bytes)
@@ -233,17 +235,19 @@ def _write_hf(
     ckpt: Path,
     family: ModelFamily,
     config: MoEModelConfig,
-    stream: Iterator[list[tuple[str, torch.Tensor]]],
+    stream: HFWeightStream,
     max_shard_bytes: int,
     progress: bool,
 ) -> None:
     source_config = ckpt / "hf" / "config.json"
     hf_config = read_config(ckpt / "hf") if source_config.is_file() else family.config_to_hf(config)
-    total = sum(len(rule.hf) for rule in bind_rules(family, config).values())
-    bar = _Progress(total, "mcore-to-hf", progress)
+    specs = [TensorSpec(name, shape, dtype) for name, shape, dtype in stream.manifest]
+    bar = _Progress(len(specs), "mcore-to-hf", progress)
     try:
         tensors = (pair for bucket in stream for pair in bucket)
-        write_safetensors_shards(staging, tensors, max_shard_bytes=max_shard_bytes, on_tensor=bar)
+        write_safetensors_shards(
+            staging, specs, tensors, max_shard_bytes=max_shard_bytes, on_tensor=bar
+        )
     finally:
         bar.close()
     (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

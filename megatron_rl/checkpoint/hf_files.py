@@ -9,17 +9,18 @@ directory beside the target, which is renamed into place only when everything is
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
-import tempfile
-from collections.abc import Iterable, Iterator
+import struct
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -50,6 +51,11 @@ def read_config(directory: Path) -> dict[str, Any]:
     return config
 
 
+# safetensors maps its files into memory; every page a read touches stays resident while the
+# file is open. Reopening a file after this many bytes keeps that resident set small.
+REOPEN_AFTER_BYTES = 256 * 2**20
+
+
 class HFCheckpoint:
     """A Hugging Face checkpoint directory, read lazily."""
 
@@ -60,6 +66,7 @@ class HFCheckpoint:
         self.config = read_config(self.directory)
         self._file_of = self._weight_map()
         self._handles: dict[Path, Any] = {}
+        self._bytes_read: dict[Path, int] = {}
 
     def _weight_map(self) -> dict[str, Path]:
         index = self.directory / INDEX_NAME
@@ -112,9 +119,21 @@ class HFCheckpoint:
     def tensor(self, name: str) -> torch.Tensor:
         path = self._path(name)
         try:
-            return self._handle(path).get_tensor(name)
+            tensor = self._handle(path).get_tensor(name)
         except SafetensorError as error:
             raise ValueError(f"{path}: cannot read tensor {name!r} ({error})") from None
+        self._bytes_read[path] = (
+            self._bytes_read.get(path, 0) + tensor.numel() * tensor.element_size()
+        )
+        if self._bytes_read[path] > REOPEN_AFTER_BYTES:
+            self._handles.pop(path, None)
+            self._bytes_read[path] = 0
+        return tensor
+
+    def close(self) -> None:
+        """Unmap every open file."""
+        self._handles.clear()
+        self._bytes_read.clear()
 
     def largest_file_bytes(self) -> int:
         return max(path.stat().st_size for path in set(self._file_of.values()))
@@ -131,20 +150,6 @@ def check_output_dir(out: Path, *, overwrite: bool) -> None:
         raise ValueError(f"--out {out}: parent directory {out.parent} does not exist")
 
 
-@contextmanager
-def staged_directory(out: Path, *, overwrite: bool) -> Iterator[Path]:
-    """A temporary directory beside `out`, renamed to `out` when the block completes; removed
-    (and `out` left as it was) if it raises."""
-    check_output_dir(out, overwrite=overwrite)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        yield staging
-        publish(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def publish(staging: Path, out: Path) -> None:
     """Move a completed `staging` directory to `out`, replacing an old `out` only after."""
     if out.exists():
@@ -156,55 +161,111 @@ def publish(staging: Path, out: Path) -> None:
         os.replace(staging, out)
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of a tensor to be written, known before its data."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+# safetensors' names for torch dtypes (the file format's header field "dtype").
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive groups of at most `max_shard_bytes` (a larger tensor gets a shard alone)."""
+    shards: list[list[TensorSpec]] = []
+    size = 0
+    for spec in specs:
+        if not shards or (shards[-1] and size + spec.nbytes > max_shard_bytes):
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+def _header(specs: list[TensorSpec]) -> bytes:
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        if spec.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{spec.name}: dtype {spec.dtype} cannot be written to safetensors")
+        entries[spec.name] = {
+            "dtype": SAFETENSORS_DTYPES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the format aligns the data to 8 bytes
+    return struct.pack("<Q", len(header)) + header
+
+
 def write_safetensors_shards(
     directory: Path,
+    specs: list[TensorSpec],
     tensors: Iterable[tuple[str, torch.Tensor]],
     *,
     max_shard_bytes: int,
-    on_tensor: Any = None,
+    on_tensor: Callable[[int], None] | None = None,
 ) -> dict[str, str]:
-    """Write `(name, tensor)` pairs as `model-0000i-of-0000N.safetensors` shards of at most
-    `max_shard_bytes` (a larger tensor gets a shard of its own) plus the index; returns the
-    weight map. At most one shard's tensors are held at a time."""
-    shard_files: list[str] = []
-    weight_map: dict[str, str] = {}
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes = 0
-    total_bytes = 0
-
-    def flush() -> None:
-        nonlocal pending, pending_bytes
-        if not pending:
-            return
-        name = f"shard-{len(shard_files):05d}.safetensors"
-        save_file(pending, str(directory / name), metadata={"format": "pt"})
-        shard_files.append(name)
-        for tensor_name in pending:
-            weight_map[tensor_name] = name
-        pending, pending_bytes = {}, 0
-
-    for name, tensor in tensors:
-        if name in weight_map or name in pending:
-            raise ValueError(f"tensor {name!r} was produced twice")
-        size = tensor.numel() * tensor.element_size()
-        if pending and pending_bytes + size > max_shard_bytes:
-            flush()
-        pending[name] = tensor.detach().contiguous().cpu()
-        pending_bytes += size
-        total_bytes += size
-        if on_tensor is not None:
-            on_tensor(size)
-    flush()
-
-    count = len(shard_files)
-    final = {
-        old: f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i, old in enumerate(shard_files)
-    }
-    for old, new in final.items():
-        os.replace(directory / old, directory / new)
-    weight_map = {name: final[file] for name, file in sorted(weight_map.items())}
-    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    """Write `tensors`, arriving in the order of `specs`, as `model-0000i-of-0000N.safetensors`
+    shards plus the index; returns the weight map. Each shard's header is written from the specs
+    before its data, and each tensor goes to disk as it arrives: nothing is accumulated."""
+    shards = plan_shards(specs, max_shard_bytes)
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    expected = iter((spec, i) for i, shard in enumerate(shards) for spec in shard)
+    handle = None
+    current = -1
+    try:
+        for name, tensor in tensors:
+            entry = next(expected, None)
+            if entry is None:
+                raise ValueError(f"tensor {name!r} was not announced")
+            spec, index = entry
+            if (name, tuple(tensor.shape), tensor.dtype) != (spec.name, spec.shape, spec.dtype):
+                raise ValueError(
+                    f"tensor {name!r} {list(tensor.shape)} {tensor.dtype} arrived where "
+                    f"{spec.name!r} {list(spec.shape)} {spec.dtype} was announced"
+                )
+            if index != current:
+                if handle is not None:
+                    handle.close()
+                handle = open(directory / files[index], "wb")  # noqa: SIM115 (closed below)
+                handle.write(_header(shards[index]))
+                current = index
+            data = tensor.detach().contiguous().cpu()
+            handle.write(memoryview(data.view(torch.uint8).numpy()))
+            if on_tensor is not None:
+                on_tensor(spec.nbytes)
+    finally:
+        if handle is not None:
+            handle.close()
+    missing = next(expected, None)
+    if missing is not None:
+        raise ValueError(f"tensor {missing[0].name!r} was announced but never arrived")
+    weight_map = {spec.name: files[i] for i, shard in enumerate(shards) for spec in shard}
+    total = sum(spec.nbytes for spec in specs)
+    index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / INDEX_NAME).write_text(json.dumps(index_json, indent=2) + "\n")
     return weight_map
 
 

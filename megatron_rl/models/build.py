@@ -46,6 +46,7 @@ def transformer_config(
     dispatcher: Dispatcher = "alltoall",
     recompute: bool = False,
     use_te: bool = False,
+    initialize: bool = True,
 ) -> TransformerConfig:
     """The megatron-core TransformerConfig for `model` split as `dims`.
 
@@ -92,6 +93,7 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model.init_std,
+        perform_initialization=initialize,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -137,11 +139,18 @@ def build_gpt_moe(
     dispatcher: Dispatcher = "alltoall",
     recompute: bool = False,
     use_te: bool | None = None,
+    initialize: bool = True,
 ) -> GPTModel:
-    """This rank's part of the model (its pipeline stage, TP and EP shards)."""
+    """This rank's part of the model (its pipeline stage, TP and EP shards). `initialize=False`
+    skips the random initialisation, for models whose weights are loaded right after."""
     use_te = transformer_engine_available() if use_te is None else use_te
     config = transformer_config(
-        model, dims, dispatcher=dispatcher, recompute=recompute, use_te=use_te
+        model,
+        dims,
+        dispatcher=dispatcher,
+        recompute=recompute,
+        use_te=use_te,
+        initialize=initialize,
     )
     return GPTModel(
         config=config,

@@ -20,6 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from torch import Tensor
 
 from megatron_rl.models.config import MoEModelConfig
@@ -62,24 +67,49 @@ class TPLayout:
     size: int
 
 
-def tp_layout(local_name: str, param: Tensor) -> TPLayout:
-    expert = ".mlp.experts." in local_name
-    if expert:
-        group = parallel_state.get_expert_tensor_parallel_group()
-        rank = parallel_state.get_expert_tensor_parallel_rank()
-        size = parallel_state.get_expert_tensor_parallel_world_size()
-    else:
-        group = parallel_state.get_tensor_model_parallel_group()
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        size = parallel_state.get_tensor_model_parallel_world_size()
-    split = getattr(param, "tensor_model_parallel", False) and size > 1
-    return TPLayout(
-        dim=param.partition_dim if split else None,
-        glu=getattr(param, "partition_stride", 1) == 2,
-        group=group,
-        rank=rank,
-        size=size,
+def _split_dim(module: torch.nn.Module) -> int | None:
+    """Which weight dimension a module splits over tensor parallelism (None: not split).
+
+    Read from the module's kind, not from parameter attributes: megatron-core sets those only
+    when it initialises the weights, which a model built to be loaded skips."""
+    if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+        return 0
+    if isinstance(module, RowParallelLinear):
+        return 1
+    mode = getattr(module, "parallel_mode", None)  # Transformer Engine's linear layers
+    return {"column": 0, "row": 1}.get(mode)
+
+
+def tp_layouts(model: torch.nn.Module) -> dict[str, TPLayout]:
+    """The tensor-parallel layout of every parameter, by its local name."""
+    dense = (
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
     )
+    expert = (
+        parallel_state.get_expert_tensor_parallel_group(),
+        parallel_state.get_expert_tensor_parallel_rank(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
+    )
+    split_weights = {}
+    for module_name, module in model.named_modules():
+        dim = _split_dim(module)
+        if dim is not None:
+            split_weights[f"{module_name}.weight" if module_name else "weight"] = dim
+    glu = model.config.gated_linear_unit
+    layouts = {}
+    for name, _ in model.named_parameters():
+        group, rank, size = expert if ".mlp.experts." in name else dense
+        dim = split_weights.get(name) if size > 1 else None
+        layouts[name] = TPLayout(
+            dim=dim,
+            glu=glu and name.endswith("linear_fc1.weight"),
+            group=group,
+            rank=rank,
+            size=size,
+        )
+    return layouts
 
 
 def tp_slice(full: Tensor, layout: TPLayout) -> Tensor:
@@ -147,10 +177,11 @@ def plan_hf_load(
     (`shape_of(name)` reads a checkpoint header, not the tensor): a config that disagrees with
     the weights fails here, naming the tensor and both shapes, before anything is copied."""
     bound = bind_rules(family, config)
+    layouts = tp_layouts(model)
     entries = []
     for local_name, param in model.named_parameters():
         rule = _rule_for(bound, global_name(model, local_name), config)
-        layout = tp_layout(local_name, param)
+        layout = layouts[local_name]
         expected = expected_hf_shapes(rule, _full_shape(param, layout), config)
         for hf_name, shape in zip(rule.hf, expected, strict=True):
             actual = shape_of(hf_name)
@@ -198,6 +229,95 @@ def unmapped_hf_names(
     return sorted(name for name in available - used - ignorable if "rotary_emb" not in name)
 
 
+class HFWeightStream:
+    """`(hf_name, tensor)` buckets of at most `bucket_bytes` (one tensor larger than that comes
+    alone), yielded on global rank `dst` in the order of `manifest`.
+
+    Creating it is a collective (the ranks share what they hold); every rank must then iterate
+    it to the end: the others take part in the gathers and yield nothing. A yielded tensor may
+    share memory with a live parameter; copy it to keep it past the next optimizer step.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        family: ModelFamily,
+        config: MoEModelConfig,
+        *,
+        bucket_bytes: int = 512 * 2**20,
+        dst: int = 0,
+    ) -> None:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+        self.config, self.bucket_bytes, self.dst = config, bucket_bytes, dst
+        self.rules = bind_rules(family, config)
+        self.mine: dict[str, tuple[Tensor, TPLayout]] = {}
+        layouts = tp_layouts(model)
+        for local_name, param in model.named_parameters():
+            name = global_name(model, local_name)
+            if not (config.tie_word_embeddings and name == TIED_OUTPUT):
+                self.mine[name] = (param, layouts[local_name])
+        announced = {n: (_full_shape(p, layout), p.dtype) for n, (p, layout) in self.mine.items()}
+        self.held: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(self.held, announced)
+        self.owner = {}
+        for name in self.rules:
+            holders = [r for r, held in enumerate(self.held) if name in held]
+            if not holders:
+                raise ValueError(f"{name}: no rank holds this tensor of the model")
+            self.owner[name] = holders[0]
+
+    @property
+    def manifest(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """Every Hugging Face tensor the stream yields: (name, shape, dtype), in order."""
+        entries = []
+        for name, rule in self.rules.items():
+            shape, dtype = self.held[self.owner[name]][name]
+            for hf_name, hf_shape in zip(
+                rule.hf, expected_hf_shapes(rule, shape, self.config), strict=True
+            ):
+                entries.append((hf_name, hf_shape, dtype))
+        return entries
+
+    def _full_tensor(self, name: str) -> Tensor | None:
+        """The full Megatron-Core tensor on `dst` (None elsewhere); collectives as needed."""
+        rank, owner = dist.get_rank(), self.owner[name]
+        full = None
+        if name in self.mine:
+            param, layout = self.mine[name]
+            group_ranks = dist.get_process_group_ranks(layout.group) if layout.group else [rank]
+            if owner in group_ranks:
+                full = tp_gather(param.detach(), layout)
+        if owner != self.dst:
+            if rank == owner:
+                dist.send(full.contiguous(), self.dst)
+            elif rank == self.dst:
+                shape, dtype = self.held[owner][name]
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+                full = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(full, owner)
+        return full if rank == self.dst else None
+
+    def __iter__(self) -> Iterator[list[tuple[str, Tensor]]]:
+        bucket: list[tuple[str, Tensor]] = []
+        bucket_size = 0
+        for name, rule in self.rules.items():
+            full = self._full_tensor(name)
+            if full is None:
+                continue
+            for hf_name, tensor in zip(
+                rule.hf, rule.transform.to_hf(full, self.config), strict=True
+            ):
+                size = tensor.numel() * tensor.element_size()
+                if bucket and bucket_size + size > self.bucket_bytes:
+                    yield bucket
+                    bucket, bucket_size = [], 0
+                bucket.append((hf_name, tensor))
+                bucket_size += size
+        if bucket:
+            yield bucket
+
+
 def stream_hf_weights(
     model: torch.nn.Module,
     family: ModelFamily,
@@ -205,53 +325,6 @@ def stream_hf_weights(
     *,
     bucket_bytes: int = 512 * 2**20,
     dst: int = 0,
-) -> Iterator[list[tuple[str, Tensor]]]:
-    """`(hf_name, tensor)` buckets of at most `bucket_bytes` (one tensor larger than that comes
-    alone), yielded on global rank `dst`. Every rank must iterate it to the end: the others take
-    part in the gathers and yield nothing."""
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
-    bound = bind_rules(family, config)
-    rank = dist.get_rank()
-    mine: dict[str, tuple[Tensor, TPLayout]] = {}
-    for local_name, param in model.named_parameters():
-        name = global_name(model, local_name)
-        if config.tie_word_embeddings and name == TIED_OUTPUT:
-            continue
-        mine[name] = (param, tp_layout(local_name, param))
-    announced = {name: (_full_shape(p, layout), p.dtype) for name, (p, layout) in mine.items()}
-    everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, announced)
-
-    bucket: list[tuple[str, Tensor]] = []
-    bucket_size = 0
-    for name, rule in bound.items():
-        holders = [r for r, held in enumerate(everyone) if name in held]
-        if not holders:
-            raise ValueError(f"{name}: no rank holds this tensor of the model")
-        owner = holders[0]
-        shape, dtype = everyone[owner][name]
-        full = None
-        if name in mine:
-            param, layout = mine[name]
-            group_ranks = dist.get_process_group_ranks(layout.group) if layout.group else [rank]
-            if owner in group_ranks:
-                full = tp_gather(param.detach(), layout)
-        if owner != dst:
-            if rank == owner:
-                dist.send(full.contiguous(), dst)
-            elif rank == dst:
-                device = "cuda" if torch.cuda.is_available() else "cpu"
-                full = torch.empty(shape, dtype=dtype, device=device)
-                dist.recv(full, owner)
-        if rank != dst:
-            continue
-        for hf_name, tensor in zip(rule.hf, rule.transform.to_hf(full, config), strict=True):
-            size = tensor.numel() * tensor.element_size()
-            if bucket and bucket_size + size > bucket_bytes:
-                yield bucket
-                bucket, bucket_size = [], 0
-            bucket.append((hf_name, tensor.clone()))
-            bucket_size += size
-    if bucket:
-        yield bucket
+) -> HFWeightStream:
+    """The model's weights as Hugging Face tensors, in buckets; see `HFWeightStream`."""
+    return HFWeightStream(model, family, config, bucket_bytes=bucket_bytes, dst=dst)
