@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.bench.logprobs import _cpu_model, _resident_kib
-from megatron_rl.checkpoint.hf_files import write_safetensors_shards
+from megatron_rl.checkpoint.hf_files import TensorSpec, write_safetensors_shards
 from megatron_rl.fileio import write_text_atomic
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import qwen3_moe
@@ -64,15 +64,19 @@ def write_synthetic_checkpoint(spec: ConvertBenchSpec, directory: Path) -> int:
     directory.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
 
-    def tensors():
-        for rule in bind_rules(qwen3_moe.FAMILY, config).values():
-            shape = _megatron_shape(rule.megatron, config)
-            for name, hf_shape in zip(
-                rule.hf, expected_hf_shapes(rule, shape, config), strict=True
-            ):
-                yield name, (torch.randn(hf_shape, generator=gen) * 0.02).to(torch.bfloat16)
-
-    write_safetensors_shards(directory, tensors(), max_shard_bytes=spec.max_shard_mib * 2**20)
+    specs = [
+        TensorSpec(name, hf_shape, torch.bfloat16)
+        for rule in bind_rules(qwen3_moe.FAMILY, config).values()
+        for name, hf_shape in zip(
+            rule.hf,
+            expected_hf_shapes(rule, _megatron_shape(rule.megatron, config), config),
+            strict=True,
+        )
+    ]
+    tensors = (
+        (s.name, (torch.randn(s.shape, generator=gen) * 0.02).to(torch.bfloat16)) for s in specs
+    )
+    write_safetensors_shards(directory, specs, tensors, max_shard_bytes=spec.max_shard_mib * 2**20)
     hf_config = qwen3_moe.FAMILY.config_to_hf(config)
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
     return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
