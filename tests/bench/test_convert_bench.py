@@ -1,0 +1,21 @@
+"""The conversion benchmark runs end to end on a small synthetic model and reports its figures.
+(A smoke test: the figures themselves come from `megatron-rl bench convert`.)"""
+
+from __future__ import annotations
+
+from megatron_rl.bench import convert as convert_bench
+
+
+def test_bench_convert_runs_and_reports(tmp_path):
+    spec = convert_bench.ConvertBenchSpec(
+        num_layers=1, hidden_size=64, num_experts=4, moe_ffn_hidden_size=32, vocab_size=256
+    )
+    report = convert_bench.run_benchmark(spec, tmp_path / "work")
+    assert not (tmp_path / "work").exists()  # scratch space removed
+    assert report["weight_bytes"] > 0 and report["largest_shard_bytes"] == report["weight_bytes"]
+    for step in ("cp", "hf-to-mcore", "mcore-to-hf"):
+        assert report["steps"][step]["seconds"] > 0
+    for step in ("hf-to-mcore", "mcore-to-hf"):
+        assert report["steps"][step]["peak_rss_kib"] > 0
+    json_path, md_path = convert_bench.write_report(report, tmp_path / "out")
+    assert json_path.is_file() and "| hf-to-mcore |" in md_path.read_text()
