@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -61,8 +62,7 @@ def _staging_dir(out: Path, *, overwrite: bool) -> Path:
     if dist.get_rank() == 0:
         try:
             check_output_dir(out, overwrite=overwrite)
-            staging = out.parent / f".{out.name}.partial-{torch.randint(1 << 30, ()).item()}"
-            staging.mkdir()
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         except ValueError as caught:
             error = str(caught)
     box = [error]
