@@ -47,6 +47,7 @@ def transformer_config(
     recompute: bool = False,
     use_te: bool = False,
     initialize: bool = True,
+    routing_replay: bool = False,
 ) -> TransformerConfig:
     """The megatron-core TransformerConfig for `model` split as `dims`.
 
@@ -83,6 +84,7 @@ def transformer_config(
         moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_token_dispatcher_type=dispatcher,
+        moe_enable_routing_replay=routing_replay,
         moe_grouped_gemm=False,
         qk_layernorm=model.qk_layernorm,
         layernorm_epsilon=model.norm_eps,
@@ -140,9 +142,11 @@ def build_gpt_moe(
     recompute: bool = False,
     use_te: bool | None = None,
     initialize: bool = True,
+    routing_replay: bool = False,
 ) -> GPTModel:
     """This rank's part of the model (its pipeline stage, TP and EP shards). `initialize=False`
-    skips the random initialisation, for models whose weights are loaded right after."""
+    skips the random initialisation, for models whose weights are loaded right after;
+    `routing_replay=True` gives every router megatron-core's RouterReplay (see moe/replay.py)."""
     use_te = transformer_engine_available() if use_te is None else use_te
     config = transformer_config(
         model,
@@ -151,6 +155,7 @@ def build_gpt_moe(
         recompute=recompute,
         use_te=use_te,
         initialize=initialize,
+        routing_replay=routing_replay,
     )
     return GPTModel(
         config=config,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,8 @@ class PolicyMicroBatch:
         segment_ids: like tokens, SSPO segment ids within each sequence, or None.
         old_entropy: like tokens, old-policy entropy, or None.
         cu_seqlens: `[N + 1]` offsets of the packed sequences, or None when padded.
+        routing: per MoE layer of this rank's stage, the `[tokens, topk]` experts to replay
+            (R2: recorded by a forward with `record_routing`; R3: from the rollout engine).
     """
 
     tokens: Tensor
@@ -53,6 +55,7 @@ class PolicyMicroBatch:
     segment_ids: Tensor | None = None
     old_entropy: Tensor | None = None
     cu_seqlens: Tensor | None = None
+    routing: list[Tensor] | None = None
 
     def targets(self) -> Tensor:
         """The next token at each position (a sequence's last position repeats its own token)."""
@@ -94,6 +97,20 @@ class PolicyMicroBatch:
         return tuple(
             None if field is None else unpack(field[0], self.cu_seqlens, fill=0) for field in fields
         )
+
+
+class RoutingControl(Protocol):
+    """What the schedule needs from routing replay (`megatron_rl.moe.replay.RoutingReplay`)."""
+
+    def record(self) -> None: ...
+
+    def collect(self) -> list[Tensor]: ...
+
+    def replay(self, routing: list[Tensor], num_tokens: int) -> None: ...
+
+    def replay_backward_from(self, output: Tensor) -> None: ...
+
+    def finish(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -143,16 +160,42 @@ def _denominator(loss_mask: Tensor, spec: PolicyLossSpec) -> Tensor:
     )
 
 
+def _router_tokens(micro_batch: PolicyMicroBatch, model: torch.nn.Module) -> int:
+    """Tokens each router of this rank sees: the sequence-parallel slice of the micro-batch."""
+    config = model.config
+    split = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return micro_batch.tokens.numel() // (split * config.context_parallel_size)
+
+
 def _forward_step(
-    spec: PolicyLossSpec, data_iterator: Iterator[PolicyMicroBatch], model: torch.nn.Module
+    spec: PolicyLossSpec,
+    replay: RoutingControl | None,
+    record_routing: bool,
+    data_iterator: Iterator[PolicyMicroBatch],
+    model: torch.nn.Module,
 ) -> tuple[Tensor, Any]:
     micro_batch = next(data_iterator)
+    if replay is not None:
+        if record_routing:
+            replay.record()
+        elif micro_batch.routing is None:
+            raise ValueError(
+                "routing: routing replay is on but this micro-batch carries no routing record "
+                "(R2: record it in the old-policy forward; R3: the engine must return it)"
+            )
+        else:
+            replay.replay(micro_batch.routing, _router_tokens(micro_batch, model))
     output = model(
         micro_batch.tokens,
         micro_batch.position_ids(),
         attention_mask=None,
         packed_seq_params=micro_batch.packed_seq_params(),
     )
+    if replay is not None:
+        if record_routing:
+            micro_batch.routing = replay.collect()
+        else:
+            replay.replay_backward_from(output)
     return output, partial(policy_loss_func, micro_batch, spec)
 
 
@@ -171,11 +214,15 @@ def policy_forward_backward(
     spec: PolicyLossSpec,
     *,
     forward_only: bool = False,
+    replay: RoutingControl | None = None,
+    record_routing: bool = False,
 ) -> StepResult:
     """Run megatron-core's schedule (1F1B under PP) over `micro_batches` with the policy loss.
 
     `model` is this rank's DDP-wrapped model chunk. Gradients end up in the parameters'
     `main_grad`, already divided by the global denominator; the optimizer step is the caller's.
+    With `replay`, each micro-batch's `routing` is forced (or, with `record_routing`, recorded
+    into it: the old-policy pass of R2).
     """
     if not micro_batches:
         raise ValueError("micro_batches: expected at least one micro-batch")
@@ -187,7 +234,7 @@ def policy_forward_backward(
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = getattr(model, "no_sync", None)
     results = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, spec),
+        forward_step_func=partial(_forward_step, spec, replay, record_routing),
         data_iterator=iter(micro_batches),
         model=[model],
         num_microbatches=len(micro_batches),
@@ -195,6 +242,8 @@ def policy_forward_backward(
         micro_batch_size=batch,
         forward_only=forward_only,
     )
+    if replay is not None and not record_routing:
+        replay.finish()
     return _global_loss(micro_batches, spec, results)
 
 

@@ -1,0 +1,150 @@
+"""Routing replay for one model, on megatron-core's `RouterReplay`.
+
+R2 records the top-k experts of every MoE layer while the old policy computes its log-probs,
+then forces that routing in every training forward of the same micro-batch; R3 forces the routing
+the rollout engine used (see `engine_routing.py` for mapping it onto training tokens). Either way
+a micro-batch carries its routing: one `[tokens, topk]` tensor per MoE layer of this rank's
+pipeline stage, tokens in the router's order (sequence-major over this rank's sequence-parallel
+slice, then batch).
+
+megatron-core (built with `moe_enable_routing_replay`) gives each router a `RouterReplay` and
+keeps a process-wide list of them, driven by static methods. `RoutingReplay` takes the instances
+of one model out of that list and drives only those, so a second model in the process (a
+reference model, say) is never affected. Under replay the router still learns: megatron-core
+gathers the training router's scores at the replayed experts, and with the softmax score
+function (top-k first) takes the softmax over those gathered logits as the gate weights
+(`transformer/moe/moe_utils.py`, `topk_routing_with_score_function`).
+
+Activation recomputation re-runs each layer's forward during backward. megatron-core replays
+those from a first-in, first-out list (REPLAY_BACKWARD); a gradient hook on each micro-batch's
+output switches this model's routers to it when that micro-batch's backward begins, and the next
+forward switches back. After a step, `finish()` checks that every recorded entry was consumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+from torch import Tensor
+
+
+class RoutingReplay:
+    """Record and replay the top-k routing of one model's MoE layers (on this rank)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        routers = [module for module in model.modules() if isinstance(module, TopKRouter)]
+        if not routers:
+            raise ValueError("routing replay: the model has no MoE layers to replay")
+        if any(router.router_replay is None for router in routers):
+            raise ValueError(
+                "routing replay: build the model with routing_replay=True "
+                "(megatron-core's moe_enable_routing_replay) to record or replay routing"
+            )
+        self.routers = routers
+        self.topk = routers[0].topk
+        self.recompute = model.config.recompute_granularity == "full"
+        self._replays: list[RouterReplay] = [router.router_replay for router in routers]
+        owned = {id(replay) for replay in self._replays}
+        RouterReplay.global_router_replay_instances[:] = [
+            r for r in RouterReplay.global_router_replay_instances if id(r) not in owned
+        ]
+        self._loaded = 0
+
+    @property
+    def num_layers(self) -> int:
+        """MoE layers on this rank (this pipeline stage)."""
+        return len(self._replays)
+
+    def record(self) -> None:
+        """The next forward records its routing (collect it with `collect`)."""
+        for replay in self._replays:
+            replay.clear_indices()
+            replay.set_router_replay_action(RouterReplayAction.RECORD)
+
+    def collect(self) -> list[Tensor]:
+        """The routing the last forward recorded: per layer, `[tokens, topk]` expert indices."""
+        recorded = [replay.get_recorded_indices() for replay in self._replays]
+        if any(indices is None for indices in recorded):
+            raise RuntimeError("routing replay: no routing was recorded; call record() first")
+        for replay in self._replays:
+            replay.clear_indices()
+        return [indices.detach() for indices in recorded]
+
+    def replay(self, routing: list[Tensor], num_tokens: int) -> None:
+        """Force `routing` (per layer `[num_tokens, topk]`) in the next forward."""
+        if len(routing) != self.num_layers:
+            raise ValueError(
+                f"routing: {len(routing)} layer(s) given, this rank's model has "
+                f"{self.num_layers} MoE layer(s)"
+            )
+        for layer, indices in enumerate(routing):
+            if indices.is_floating_point() or tuple(indices.shape) != (num_tokens, self.topk):
+                raise ValueError(
+                    f"routing: layer {layer} has {list(indices.shape)} {indices.dtype}; the "
+                    f"micro-batch needs integer indices [{num_tokens}, {self.topk}] "
+                    "([tokens, topk])"
+                )
+        for replay, indices in zip(self._replays, routing, strict=True):
+            replay.target_topk_idx = None
+            replay.set_target_indices(indices.long())
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        self._loaded += 1
+
+    def replay_backward_from(self, output: Tensor) -> None:
+        """When the backward of `output` begins, recomputed forwards replay in order."""
+        if self.recompute and output.requires_grad:
+            output.register_hook(self._switch_to_backward)
+
+    def _switch_to_backward(self, grad: Tensor) -> None:
+        for replay in self._replays:
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    def finish(self) -> int:
+        """End a step: check every replayed entry was consumed; return how many were used."""
+        unconsumed = sum(len(replay.replay_backward_list) for replay in self._replays)
+        for replay in self._replays:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+        loaded, self._loaded = self._loaded, 0
+        if self.recompute and unconsumed:
+            raise RuntimeError(
+                f"routing replay: {unconsumed} replayed routing entries were not consumed by the "
+                "backward recompute; forwards and backwards did not pair up"
+            )
+        return loaded
+
+    def observe_free_routing(self) -> Callable[[], list[Tensor]]:
+        """Watch what the routers would choose without replay, at the cost of one small matmul
+        per layer (no extra forward). Returns a function that removes the hooks and gives the
+        last forward's free routing per layer, `[tokens, topk]`."""
+        seen: dict[int, Tensor] = {}
+
+        def watch(layer: int) -> Callable:
+            def hook(router: TopKRouter, inputs: tuple, output: object) -> None:
+                hidden = inputs[0].detach()
+                logits = torch.nn.functional.linear(
+                    hidden.reshape(-1, hidden.shape[-1]).to(router.weight.dtype),
+                    router.weight.detach(),
+                )
+                scores = logits
+                if router.config.moe_router_score_function == "sigmoid":
+                    scores = torch.sigmoid(logits.float())
+                    if router.expert_bias is not None:
+                        scores = scores + router.expert_bias
+                seen[layer] = torch.topk(scores, k=router.topk, dim=-1).indices
+
+            return hook
+
+        handles = [
+            router.register_forward_hook(watch(layer)) for layer, router in enumerate(self.routers)
+        ]
+
+        def stop() -> list[Tensor]:
+            for handle in handles:
+                handle.remove()
+            return [seen[layer] for layer in range(len(self.routers))]
+
+        return stop

@@ -1,0 +1,138 @@
+"""Workers for the routing-replay tests (R2 on a real megatron-core MoE model)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.models.build import build_gpt_moe, wrap_for_training
+from megatron_rl.moe.drift import routing_drift
+from megatron_rl.moe.replay import RoutingReplay
+from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
+from megatron_rl.parallel.schedule import PolicyLossSpec, policy_forward_backward
+from tests.parallel.invariance import TINY_MOE, micro_batches
+
+GRPO = PolicyLossSpec("grpo", 0.2, 0.27)
+
+
+def _stack(routing: list[torch.Tensor]) -> torch.Tensor:
+    """Per-layer [tokens, topk] -> [tokens, layers, topk] (the drift metrics' layout)."""
+    return torch.stack(routing, dim=1)
+
+
+def _used_routing(model: torch.nn.Module):
+    """Capture the experts each router actually used (from its routing map), per layer."""
+    seen = {}
+    routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
+
+    def hook(layer):
+        def capture(module, inputs, output):
+            routing_map = output[1]
+            seen[layer] = routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1)
+
+        return capture
+
+    handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(routers)]
+
+    def stop():
+        for handle in handles:
+            handle.remove()
+        return [seen[i] for i in range(len(routers))]
+
+    return stop
+
+
+def _perturb_routers(model: torch.nn.Module, seed: int = 7) -> None:
+    """A large update of the router weights: routing changes for many tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("router.weight"):
+                param.add_(torch.randn(param.shape, generator=gen) * 0.5)
+
+
+def _force_routing(model: torch.nn.Module, routing: list[torch.Tensor]) -> None:
+    """An independent way to force routing: replace each router's routing function by one that
+    takes the given experts and the softmax of the router's logits over them."""
+    routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
+    for router, indices in zip(routers, routing, strict=True):
+
+        def routing_fn(logits, padding_mask=None, indices=indices):
+            logits = logits.view(-1, logits.shape[-1])
+            probs = torch.softmax(logits.gather(1, indices), dim=-1)
+            routing_probs = torch.zeros_like(logits).scatter(1, indices, probs)
+            routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+            return routing_probs, routing_map
+
+        router.routing = routing_fn
+
+
+def r2_matches_forced_routing(launch: LaunchEnv) -> dict:
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, launch)
+    model = build_gpt_moe(TINY_MOE, dims, routing_replay=True)
+    ddp = wrap_for_training(model)
+    replay = RoutingReplay(model)
+    (batch,) = micro_batches(count=1)
+
+    policy_forward_backward(
+        ddp, [batch], GRPO, forward_only=True, replay=replay, record_routing=True
+    )
+    old_routing = batch.routing
+    _perturb_routers(model)
+
+    stop_free = replay.observe_free_routing()
+    stop_used = _used_routing(model)
+    replayed = policy_forward_backward(ddp, [batch], GRPO, replay=replay)
+    free, used = stop_free(), stop_used()
+    grads = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}
+
+    # reference: same weights, routing forced by replacing the routers' routing function
+    perturbed = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    reference_model = build_gpt_moe(TINY_MOE, dims)
+    reference_model.load_state_dict(perturbed, strict=False)
+    _force_routing(reference_model, old_routing)
+    reference = wrap_for_training(reference_model)
+    batch.routing = None
+    forced = policy_forward_backward(reference, [batch], GRPO)
+    errors = [
+        float((p.main_grad - grads[n]).abs().max() / grads[n].abs().max().clamp(min=1e-30))
+        for n, p in reference.module.named_parameters()
+    ]
+
+    # without replay, the perturbed routers route differently
+    free_model = build_gpt_moe(TINY_MOE, dims)
+    free_model.load_state_dict(perturbed, strict=False)
+    free_loss = policy_forward_backward(wrap_for_training(free_model), [batch], GRPO).loss
+    return {
+        "drift_used": float(routing_drift(_stack(old_routing), _stack(used))["drift/token_layer"]),
+        "drift_free": float(routing_drift(_stack(old_routing), _stack(free))["drift/token_layer"]),
+        "replayed_loss": float(replayed.loss),
+        "forced_loss": float(forced.loss),
+        "free_loss": float(free_loss),
+        "worst_grad_error": max(errors),
+        "router_grad": float(grads["decoder.layers.0.mlp.router.weight"].abs().max()),
+    }
+
+
+def recompute_gives_same_gradients(launch: LaunchEnv) -> dict:
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, launch)
+    grads = {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = build_gpt_moe(TINY_MOE, dims, routing_replay=True, recompute=recompute)
+        ddp = wrap_for_training(model)
+        replay = RoutingReplay(model)
+        batches = micro_batches(count=3)
+        policy_forward_backward(
+            ddp, batches, GRPO, forward_only=True, replay=replay, record_routing=True
+        )
+        _perturb_routers(model)
+        policy_forward_backward(ddp, batches, GRPO, replay=replay)
+        grads[recompute] = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}
+    errors = [
+        float((grads[True][n] - g).abs().max() / g.abs().max().clamp(min=1e-30))
+        for n, g in grads[False].items()
+    ]
+    return {"worst_grad_error": max(errors), "num_params": len(errors)}
