@@ -1,0 +1,90 @@
+"""R3: the rollout engine's routing, mapped onto the tokens each router of the trainer sees.
+
+SGLang returns, per sample, int32 `[prompt_len + response_len - 1, num_layers, topk]`: row j is
+the routing of the sample's token j as it went through the model. The last token was generated
+but never fed back, so it has no row (the off-by-one). In a training micro-batch the router sees
+token t of each row (the input at t, which predicts t + 1), so engine row j belongs to the
+sample's j-th token wherever the batch put it: after left padding, from the right-padded start,
+or at the sample's offset in a packed row.
+
+Positions the engine never routed (padding, each sample's last token) get experts 0..topk-1:
+under causal attention they cannot change the routing or the log-probs of the sample's earlier
+tokens. `covered` says which positions carry engine routing (for drift metrics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def place_engine_routing(
+    samples: Sequence[Tensor],
+    rows: Sequence[int],
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    batch_shape: tuple[int, int],
+    *,
+    num_layers: int,
+    topk: int,
+) -> tuple[Tensor, Tensor]:
+    """Put each sample's engine routing at its tokens' place in the micro-batch.
+
+    Args:
+        samples: per sample, `[length - 1, num_layers, topk]` integer experts (SGLang's layout).
+        rows, starts, lengths: where sample i's `lengths[i]` tokens sit: row `rows[i]`, columns
+            `starts[i] ...`. Padded batches: one sample per row; packed: all in row 0 at their
+            `cu_seqlens` offsets.
+        batch_shape: `(b, S)` of the micro-batch's tokens.
+
+    Returns:
+        `routing` `[b, S, num_layers, topk]` long, and `covered` `[b, S]` bool.
+    """
+    batch, seq = batch_shape
+    routing = torch.arange(topk).expand(batch, seq, num_layers, topk).clone()
+    covered = torch.zeros(batch, seq, dtype=torch.bool)
+    if not len(samples) == len(rows) == len(starts) == len(lengths):
+        raise ValueError(
+            f"routing: {len(samples)} engine routing record(s) for {len(rows)} placed samples"
+        )
+    for index, (record, row, start, length) in enumerate(
+        zip(samples, rows, starts, lengths, strict=True)
+    ):
+        expected = (length - 1, num_layers, topk)
+        if record is None:
+            raise ValueError(
+                f"routing: sample {index} has no engine routing; R3 needs the engine to return "
+                "routed experts (SGLang: --enable-return-routed-experts, return_routed_experts)"
+            )
+        if record.is_floating_point() or tuple(record.shape) != expected:
+            raise ValueError(
+                f"routing: sample {index} has engine routing {list(record.shape)} {record.dtype}; "
+                f"its {length} tokens and the model need integer [{length - 1}, {num_layers}, "
+                f"{topk}] ([tokens - 1, layers, topk])"
+            )
+        if start < 0 or start + length > seq or not 0 <= row < batch:
+            raise ValueError(
+                f"routing: sample {index} at row {row}, columns {start}..{start + length} does "
+                f"not fit the micro-batch {list(batch_shape)}"
+            )
+        routing[row, start : start + length - 1] = record.long()
+        covered[row, start : start + length - 1] = True
+    return routing, covered
+
+
+def router_order(
+    routing: Tensor, *, sp_rank: int = 0, sp_size: int = 1, layers: range | None = None
+) -> list[Tensor]:
+    """`[b, S, layers, topk]` -> per layer `[tokens, topk]` in a router's token order: sequence-
+    major (position, then row) over this rank's sequence-parallel slice, for the MoE layers of
+    this pipeline stage (`layers`, global indices; all by default)."""
+    batch, seq, num_layers, topk = routing.shape
+    if seq % sp_size != 0:
+        raise ValueError(f"routing: {seq} positions do not split over {sp_size} SP ranks")
+    width = seq // sp_size
+    local = routing[:, sp_rank * width : (sp_rank + 1) * width].transpose(0, 1)
+    flat = local.reshape(width * batch, num_layers, topk)
+    layers = range(num_layers) if layers is None else layers
+    return [flat[:, layer].contiguous() for layer in layers]
