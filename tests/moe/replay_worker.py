@@ -136,3 +136,93 @@ def recompute_gives_same_gradients(launch: LaunchEnv) -> dict:
         for n, g in grads[False].items()
     ]
     return {"worst_grad_error": max(errors), "num_params": len(errors)}
+
+
+def replay_at_layout(launch: LaunchEnv, layout: dict) -> dict:
+    """R2 on a split model: record, change routing, replay; what the routers used vs recorded."""
+    dims = ParallelDims(world_size=launch.world_size, **layout)
+    init_distributed(dims, launch)
+    model = build_gpt_moe(TINY_MOE, dims, routing_replay=True)
+    ddp = wrap_for_training(model)
+    replay = RoutingReplay(model)
+    batches = micro_batches(count=2)
+    policy_forward_backward(
+        ddp, batches, GRPO, forward_only=True, replay=replay, record_routing=True
+    )
+    recorded = batches[-1].routing
+    _perturb_routers(model)
+    stop_free, stop_used = replay.observe_free_routing(), _used_routing(model)
+    step = policy_forward_backward(ddp, batches, GRPO, replay=replay)
+    free, used = stop_free(), stop_used()  # the last micro-batch's forward
+    return {
+        "drift_used": float(routing_drift(_stack(recorded), _stack(used))["drift/token_layer"]),
+        "drift_free": float(routing_drift(_stack(recorded), _stack(free))["drift/token_layer"]),
+        "tokens_per_router": int(recorded[0].shape[0]),
+        "loss": float(step.loss),
+    }
+
+
+def r3_round_trip(launch: LaunchEnv) -> dict:
+    """Engine routing simulated from the trainer's own routing, converted to SGLang's layout,
+    mapped back by R3 and replayed: the routers use exactly the engine's experts."""
+    from megatron_rl.moe.engine_routing import place_engine_routing, router_order
+
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, launch)
+    model = build_gpt_moe(TINY_MOE, dims, routing_replay=True)
+    ddp = wrap_for_training(model)
+    replay = RoutingReplay(model)
+    (batch,) = micro_batches(count=1)
+    policy_forward_backward(
+        ddp, [batch], GRPO, forward_only=True, replay=replay, record_routing=True
+    )
+    rows, seq = batch.tokens.shape
+    # router order [seq * rows, topk] per layer -> [rows, seq, layers, topk] -> SGLang per sample
+    stacked = torch.stack(batch.routing, dim=1).view(seq, rows, replay.num_layers, -1)
+    per_sample = [stacked[:, row][: seq - 1].to(torch.int32) for row in range(rows)]
+    routing, covered = place_engine_routing(
+        per_sample,
+        list(range(rows)),
+        [0] * rows,
+        [seq] * rows,
+        (rows, seq),
+        num_layers=replay.num_layers,
+        topk=replay.topk,
+    )
+    batch.routing = router_order(routing)
+    _perturb_routers(model)
+    stop_used = _used_routing(model)
+    policy_forward_backward(ddp, [batch], GRPO, replay=replay)
+    used = stop_used()
+    expected = _stack(batch.routing)
+    return {
+        "drift_used": float(routing_drift(expected, _stack(used))["drift/token_layer"]),
+        "covered": int(covered.sum()),
+        "tokens": rows * seq,
+    }
+
+
+def bad_input_messages(launch: LaunchEnv) -> dict:
+    """The errors replay gives for what it cannot do; never a silent fall-back to free routing."""
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, launch)
+    messages = {}
+
+    def message(key, action):
+        try:
+            action()
+        except (ValueError, RuntimeError) as error:
+            messages[key] = str(error)
+
+    message("no_replay_built", lambda: RoutingReplay(build_gpt_moe(TINY_MOE, dims)))
+    model = build_gpt_moe(TINY_MOE, dims, routing_replay=True)
+    replay = RoutingReplay(model)
+    good = torch.zeros(48, 2, dtype=torch.long)
+    message("layers", lambda: replay.replay([good], num_tokens=48))
+    message("tokens", lambda: replay.replay([good, good], num_tokens=40))
+    message("dtype", lambda: replay.replay([good.float(), good], num_tokens=48))
+    message("collect_without_record", replay.collect)
+    (batch,) = micro_batches(count=1)
+    ddp = wrap_for_training(model)
+    message("no_routing", lambda: policy_forward_backward(ddp, [batch], GRPO, replay=replay))
+    return messages

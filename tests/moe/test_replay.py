@@ -24,3 +24,30 @@ def test_full_recompute_replays_the_same_routing():
     (report,) = run_on_ranks(replay_worker.recompute_gives_same_gradients, world_size=1)
     assert report["num_params"] > 20
     assert report["worst_grad_error"] <= 1e-5
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}], ids=["tp2_sequence_parallel", "ep2"])
+def test_r2_on_two_ranks(layout):
+    reports = run_on_ranks(replay_worker.replay_at_layout, layout)
+    for report in reports:
+        assert report["drift_free"] > 0.05
+        assert report["drift_used"] == 0
+    if "tp" in layout:  # each TP rank's routers see their sequence-parallel half of the tokens
+        assert reports[0]["tokens_per_router"] == 2 * 24 // 2
+    assert reports[0]["loss"] == pytest.approx(reports[1]["loss"])
+
+
+def test_r3_engine_routing_round_trip():
+    (report,) = run_on_ranks(replay_worker.r3_round_trip, world_size=1)
+    assert report["drift_used"] == 0
+    assert report["covered"] == report["tokens"] - 2  # each row's last token has no engine row
+
+
+def test_bad_input_is_refused_clearly():
+    (messages,) = run_on_ranks(replay_worker.bad_input_messages, world_size=1)
+    assert "build the model with routing_replay=True" in messages["no_replay_built"]
+    assert "1 layer(s) given, this rank's model has 2 MoE layer(s)" in messages["layers"]
+    assert "needs integer indices [40, 2]" in messages["tokens"]
+    assert "torch.float32" in messages["dtype"]
+    assert "no routing was recorded" in messages["collect_without_record"]
+    assert "carries no routing record" in messages["no_routing"]
