@@ -9,6 +9,7 @@ from pathlib import Path
 
 from megatron_rl.bench import convert as convert_bench
 from megatron_rl.bench import logprobs as logprobs_bench
+from megatron_rl.bench import replay as replay_bench
 from megatron_rl.bench.loss_table import DriftBatchSpec, format_markdown, loss_table
 from megatron_rl.checkpoint import convert
 from megatron_rl.checkpoint.hf_files import check_output_dir
@@ -100,6 +101,17 @@ def _bench_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_replay(args: argparse.Namespace) -> int:
+    spec = replay_bench.ReplayBenchSpec(
+        layers=tuple(args.layers), steps=args.steps, rounds=args.rounds, seq=args.seq
+    )
+    report = replay_bench.run_benchmark(spec)
+    print(replay_bench.format_markdown(report))
+    json_path, md_path = replay_bench.write_report(report, Path(args.out))
+    print(f"\nwrote {json_path} and {md_path}")
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -166,6 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert_bench_parser.add_argument("--out", default="runs/bench")
     convert_bench_parser.set_defaults(handler=_bench_convert)
+
+    replay_parser = benches.add_parser(
+        "replay", help="training step with R2 routing replay vs without (time and memory)"
+    )
+    replay_parser.add_argument(
+        "--layers", type=_positive, nargs="+", default=[2, 16], help="model depths to measure"
+    )
+    replay_parser.add_argument("--seq", type=_positive, default=256, help="tokens per sequence")
+    replay_parser.add_argument("--steps", type=_positive, default=5, help="timed steps per run")
+    replay_parser.add_argument("--rounds", type=_positive, default=2, help="alternating rounds")
+    replay_parser.add_argument("--out", default="runs/bench")
+    replay_parser.set_defaults(handler=_bench_replay)
 
     convert_parser = commands.add_parser(
         "convert",

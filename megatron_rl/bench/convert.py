@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-from megatron_rl.bench.logprobs import _cpu_model, _resident_kib
+from megatron_rl.bench.report import machine, now, resident_kib
+from megatron_rl.bench.report import write_report as report_files
 from megatron_rl.checkpoint.hf_files import TensorSpec, write_safetensors_shards
-from megatron_rl.fileio import write_text_atomic
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import qwen3_moe
 from megatron_rl.models.families.base import bind_rules
@@ -149,8 +147,8 @@ def run_benchmark(spec: ConvertBenchSpec, workdir: Path) -> dict[str, object]:
             k: steps[k]["peak_rss_kib"] * 1024 / largest_shard
             for k in ("hf-to-mcore", "mcore-to-hf")
         },
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__},
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "date": now(),
     }
     shutil.rmtree(workdir)
     return report
@@ -177,9 +175,7 @@ def format_markdown(report: dict) -> str:
 
 
 def write_report(report: dict, out_dir: Path) -> tuple[Path, Path]:
-    json_path = write_text_atomic(out_dir / "convert.json", json.dumps(report, indent=2))
-    md_path = write_text_atomic(out_dir / "convert.md", format_markdown(report) + "\n")
-    return json_path, md_path
+    return report_files(report, out_dir, "convert", format_markdown)
 
 
 def _step_main() -> None:
@@ -192,7 +188,7 @@ def _step_main() -> None:
     code = main(args.step)
     if code != 0:
         sys.exit(code)
-    print(json.dumps({"peak_rss_kib": _resident_kib("VmHWM")}))
+    print(json.dumps({"peak_rss_kib": resident_kib("VmHWM")}))
 
 
 if __name__ == "__main__":

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-from megatron_rl.fileio import write_text_atomic
+from megatron_rl.bench.report import machine, now, reset_peak, resident_kib
+from megatron_rl.bench.report import write_report as report_files
 from megatron_rl.parallel.logprobs import vocab_parallel_logprobs
 
 VARIANTS = ("naive", "chunked")
@@ -39,20 +37,6 @@ class LogprobBenchSpec:
     repeats: int = 3
     chunk_tokens: int | None = None  # None: the kernel's default for the device
     threads: int = 0  # 0: torch's default
-
-
-def _resident_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    # Linux: writing 5 to clear_refs resets VmHWM to the current resident size.
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
 
 
 def _naive(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,32 +68,21 @@ def run_variant(variant: str, spec: LogprobBenchSpec) -> dict[str, float]:
     # A small call first loads kernels and thread pools, which are not the variant's memory.
     small = logits[:8, :64].detach().clone().requires_grad_(True)
     step(small, targets[:8] % 64, weights[:, :8])
-    baseline = _resident_kib("VmRSS")
-    _reset_peak()
+    baseline = resident_kib("VmRSS")
+    reset_peak()
     step(logits, targets, weights)  # warm-up (in the memory window: allocators keep memory)
     seconds = []
     for _ in range(spec.repeats):
         start = time.perf_counter()
         step(logits, targets, weights)
         seconds.append(time.perf_counter() - start)
-    peak = _resident_kib("VmHWM")
+    peak = resident_kib("VmHWM")
     return {
         "seconds_median": statistics.median(seconds),
         "seconds_all": seconds,
         "peak_extra_mib": (peak - baseline) / 1024,
         "logits_mib": logits.numel() * logits.element_size() / 2**20,
     }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def run_benchmark(spec: LogprobBenchSpec) -> dict[str, object]:
@@ -135,13 +108,8 @@ def run_benchmark(spec: LogprobBenchSpec) -> dict[str, object]:
         "results": results,
         "memory_ratio": naive["peak_extra_mib"] / max(chunked["peak_extra_mib"], 1e-9),
         "time_ratio": chunked["seconds_median"] / naive["seconds_median"],
-        "machine": {
-            "cpu": _cpu_model(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": spec.threads or torch.get_num_threads(),
-        },
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine() | {"threads": spec.threads or torch.get_num_threads()},
+        "date": now(),
     }
 
 
@@ -169,9 +137,7 @@ def format_markdown(report: dict) -> str:
 
 
 def write_report(report: dict, out_dir: Path) -> tuple[Path, Path]:
-    json_path = write_text_atomic(out_dir / "logprobs.json", json.dumps(report, indent=2))
-    md_path = write_text_atomic(out_dir / "logprobs.md", format_markdown(report) + "\n")
-    return json_path, md_path
+    return report_files(report, out_dir, "logprobs", format_markdown)
 
 
 def _worker_main() -> None:

@@ -62,6 +62,25 @@ def dtype(hf: dict[str, Any]) -> str:
     return name
 
 
+def llama_style_config(hf: dict[str, Any], *, default_norm_eps: float) -> dict[str, Any]:
+    """The MoEModelConfig fields the Llama-style families read alike from config.json."""
+    heads = require(hf, "num_attention_heads")
+    return {
+        "num_layers": require(hf, "num_hidden_layers"),
+        "hidden_size": require(hf, "hidden_size"),
+        "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads", heads),
+        "head_dim": hf.get("head_dim"),
+        "router_topk": require(hf, "num_experts_per_tok"),
+        "rope_theta": rope_theta(hf),
+        "norm_eps": hf.get("rms_norm_eps", default_norm_eps),
+        "vocab_size": require(hf, "vocab_size"),
+        "tie_word_embeddings": hf.get("tie_word_embeddings", False),
+        "max_position_embeddings": hf.get("max_position_embeddings", 4096),
+        "dtype": dtype(hf),
+    }
+
+
 def llama_style_fields(config: MoEModelConfig) -> dict[str, Any]:
     """The config.json fields the Llama-style families share."""
     return {

@@ -27,27 +27,14 @@ RULES = (
 
 
 def config_from_hf(hf: dict[str, Any]) -> MoEModelConfig:
-    require = common.require
     if hf.get("sliding_window") is not None:
         raise ValueError("config.json: sliding-window attention is not supported")
-    heads = require(hf, "num_attention_heads")
-    expert_ffn = require(hf, "intermediate_size")
+    expert_ffn = common.require(hf, "intermediate_size")
     return MoEModelConfig(
-        num_layers=require(hf, "num_hidden_layers"),
-        hidden_size=require(hf, "hidden_size"),
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads", heads),
-        head_dim=hf.get("head_dim"),
+        **common.llama_style_config(hf, default_norm_eps=1e-5),
         ffn_hidden_size=expert_ffn,
         moe_ffn_hidden_size=expert_ffn,
-        num_experts=require(hf, "num_local_experts"),
-        router_topk=require(hf, "num_experts_per_tok"),
-        rope_theta=common.rope_theta(hf),
-        norm_eps=hf.get("rms_norm_eps", 1e-5),
-        vocab_size=require(hf, "vocab_size"),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        dtype=common.dtype(hf),
+        num_experts=common.require(hf, "num_local_experts"),
     )
 
 

@@ -29,8 +29,6 @@ RULES = (
 
 
 def config_from_hf(hf: dict[str, Any]) -> MoEModelConfig:
-    require = common.require
-    layers = require(hf, "num_hidden_layers")
     if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
         raise ValueError(
             "config.json: dense layers (decoder_sparse_step != 1 or mlp_only_layers) are not "
@@ -38,28 +36,16 @@ def config_from_hf(hf: dict[str, Any]) -> MoEModelConfig:
         )
     if hf.get("attention_bias") or hf.get("use_sliding_window"):
         raise ValueError("config.json: attention_bias and sliding windows are not supported")
-    heads = require(hf, "num_attention_heads")
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     if experts is None:
         raise ValueError("config.json: missing field 'num_experts'")
     return MoEModelConfig(
-        num_layers=layers,
-        hidden_size=require(hf, "hidden_size"),
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads", heads),
-        head_dim=hf.get("head_dim"),
-        ffn_hidden_size=require(hf, "intermediate_size"),
-        moe_ffn_hidden_size=require(hf, "moe_intermediate_size"),
+        **common.llama_style_config(hf, default_norm_eps=1e-6),
+        ffn_hidden_size=common.require(hf, "intermediate_size"),
+        moe_ffn_hidden_size=common.require(hf, "moe_intermediate_size"),
         num_experts=experts,
-        router_topk=require(hf, "num_experts_per_tok"),
         router_pre_softmax=not hf.get("norm_topk_prob", True),
         qk_layernorm=True,
-        rope_theta=common.rope_theta(hf),
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        vocab_size=require(hf, "vocab_size"),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        dtype=common.dtype(hf),
     )
 
 

@@ -1,0 +1,64 @@
+"""What every benchmark shares: the machine it ran on, peak memory, and its JSON + markdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rl.fileio import write_text_atomic
+
+
+def resident_kib(field: str = "VmRSS") -> int:
+    """This process's resident memory (`VmRSS`) or its high-water mark (`VmHWM`), in KiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM to the current resident size."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    """The machine and the time of a run, for the report."""
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def write_report(
+    report: dict, out_dir: Path, stem: str, markdown: Callable[[dict], str]
+) -> tuple[Path, Path]:
+    """`<stem>.json` and `<stem>.md` in `out_dir`, each written atomically."""
+    json_path = write_text_atomic(out_dir / f"{stem}.json", json.dumps(report, indent=2))
+    md_path = write_text_atomic(out_dir / f"{stem}.md", markdown(report) + "\n")
+    return json_path, md_path
