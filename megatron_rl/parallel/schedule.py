@@ -83,6 +83,12 @@ class PolicyMicroBatch:
             max_seqlen_kv=max_len,
         )
 
+    def row_mask(self) -> Tensor:
+        """`loss_mask` with one row per sequence (unpacked when packed)."""
+        if self.cu_seqlens is None:
+            return self.loss_mask
+        return unpack(self.loss_mask[0], self.cu_seqlens, fill=False)
+
     def as_rows(self, logp: Tensor) -> tuple[Tensor, ...]:
         """(logp, old_logp, loss_mask, segment_ids, old_entropy) as `[rows, length]` tensors:
         unchanged when padded, unpacked into one row per sequence when packed."""
@@ -250,7 +256,7 @@ def policy_forward_backward(
 def _global_loss(
     micro_batches: list[PolicyMicroBatch], spec: PolicyLossSpec, metrics: list[dict[str, Tensor]]
 ) -> StepResult:
-    local_denominator = sum(_denominator(mb.as_rows(mb.old_logp)[2], spec) for mb in micro_batches)
+    local_denominator = sum(_denominator(mb.row_mask(), spec) for mb in micro_batches)
     totals = torch.zeros(2, dtype=torch.float64)
     totals[1] = local_denominator
     if parallel_state.is_pipeline_last_stage():
