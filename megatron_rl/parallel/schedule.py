@@ -32,7 +32,9 @@ class PolicyMicroBatch:
     """One micro-batch of rollouts, padded `[b, S]` or packed `[1, total]` (THD).
 
     Position t of every per-token tensor refers to the token predicted at t, i.e. the token that
-    follows t in its sequence. Padded: rows are sequences, padded to a common length S. Packed:
+    follows t in its sequence. Padded: rows are sequences, padded to a common length S; put the
+    padding after each sequence (right padding): the model attends causally with no padding
+    mask, so padding before a sequence would be attended to by its tokens. Packed:
     sequences lie back to back in one row and `cu_seqlens` `[N + 1]` holds their offsets; the
     last token of each sequence has no successor and must be outside `loss_mask`.
 
