@@ -59,7 +59,7 @@ LAYOUTS = {
 
 
 def micro_batches(count: int = 4, batch: int = 2, seq: int = 24, seed: int = 0) -> list:
-    """Left-padded prompts, responses of different lengths, several lines each."""
+    """Prompts and responses of different lengths in full rows, several lines each."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
