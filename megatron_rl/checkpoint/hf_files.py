@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from megatron_rl.fileio import write_text_atomic
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Tokenizer and generation files copied along with the weights when present.
@@ -219,6 +221,13 @@ def _header(specs: list[TensorSpec]) -> bytes:
     return struct.pack("<Q", len(header)) + header
 
 
+def _close_durably(handle: Any) -> None:
+    """Flush a written file to the disk before closing it (a finished export survives a crash)."""
+    handle.flush()
+    os.fsync(handle.fileno())
+    handle.close()
+
+
 def write_safetensors_shards(
     directory: Path,
     specs: list[TensorSpec],
@@ -248,7 +257,7 @@ def write_safetensors_shards(
                 )
             if index != current:
                 if handle is not None:
-                    handle.close()
+                    _close_durably(handle)
                 handle = open(directory / files[index], "wb")  # noqa: SIM115 (closed below)
                 handle.write(_header(shards[index]))
                 current = index
@@ -258,14 +267,14 @@ def write_safetensors_shards(
                 on_tensor(spec.nbytes)
     finally:
         if handle is not None:
-            handle.close()
+            _close_durably(handle)
     missing = next(expected, None)
     if missing is not None:
         raise ValueError(f"tensor {missing[0].name!r} was announced but never arrived")
     weight_map = {spec.name: files[i] for i, shard in enumerate(shards) for spec in shard}
     total = sum(spec.nbytes for spec in specs)
     index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (directory / INDEX_NAME).write_text(json.dumps(index_json, indent=2) + "\n")
+    write_text_atomic(directory / INDEX_NAME, json.dumps(index_json, indent=2) + "\n")
     return weight_map
 
 

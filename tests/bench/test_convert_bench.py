@@ -13,7 +13,7 @@ def test_bench_convert_runs_and_reports(tmp_path):
     report = convert_bench.run_benchmark(spec, tmp_path / "work")
     assert not (tmp_path / "work").exists()  # scratch space removed
     assert report["weight_bytes"] > 0 and report["largest_shard_bytes"] == report["weight_bytes"]
-    for step in ("cp", "hf-to-mcore", "mcore-to-hf"):
+    for step in ("cp", "cp+sync", "hf-to-mcore", "mcore-to-hf"):
         assert report["steps"][step]["seconds"] > 0
     for step in ("hf-to-mcore", "mcore-to-hf"):
         assert report["steps"][step]["peak_rss_kib"] > 0
