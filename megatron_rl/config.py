@@ -1,0 +1,222 @@
+"""Typed configuration: dataclasses with a docstring per field, YAML recipes, dotted overrides.
+
+`load_config(RecipeClass, "recipe.yaml", ["algo.loss=gspo", "algo.clip_high=4e-4"])` builds the
+nested dataclasses from the YAML mapping, applies the overrides, converts every value to its
+field's type and runs each section's `validate()`. An unknown key fails naming the nearest valid
+ones; a value of the wrong type names the dotted key and the expected type. Nothing heavy starts
+before the whole recipe is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from megatron_rl.algo import LOSS_AGG_MODES, policy_loss_names
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used, with the dotted key it concerns."""
+
+
+def _nearest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return f"valid keys: {', '.join(valid)}{hint}"
+
+
+def _convert(value: Any, kind: Any, key: str) -> Any:
+    """`value` as type `kind` (YAML scalars and override strings alike)."""
+    origin = typing.get_origin(kind)
+    if origin is Literal:
+        choices = typing.get_args(kind)
+        if value not in choices:
+            raise ConfigError(
+                f"{key}: expected one of {', '.join(map(repr, choices))}, got {value!r}"
+            )
+        return value
+    if origin in (types.UnionType, typing.Union):
+        options = typing.get_args(kind)
+        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+        if is_none and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(value, option, key)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0] if errors else f"{key}: got {value!r}")
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {kind.__name__} fields, got {value!r}")
+        return _build(kind, value, key)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        raise ConfigError(f"{key}: expected an int, got {value!r}")
+    if kind is float:
+        try:
+            if isinstance(value, bool) or not isinstance(value, int | float | str):
+                raise ValueError
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {kind!r}")
+
+
+def _build(cls: type[T], values: dict[str, Any], prefix: str = "") -> T:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [key for key in values if key not in names]
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"{where}: unknown key; {_nearest(unknown[0], names)}")
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _convert(value, hints[name], key)
+    try:
+        return cls(**kwargs)
+    except TypeError as error:
+        raise ConfigError(f"{prefix or cls.__name__}: {error}") from None
+
+
+def _apply_override(tree: dict[str, Any], cls: type, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected key=value, e.g. algo.loss=gspo")
+    dotted, raw = override.split("=", 1)
+    parts = dotted.strip().split(".")
+    node, kind = tree, cls
+    for depth, part in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(kind)]
+        if part not in names:
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(f"{where}: unknown key; {_nearest(part, names)}")
+        if depth == len(parts) - 1:
+            node[part] = yaml.safe_load(raw) if raw.strip() else raw
+            return
+        kind = typing.get_type_hints(kind)[part]
+        if not dataclasses.is_dataclass(kind):
+            raise ConfigError(f"{'.'.join(parts[: depth + 1])}: is a value, not a section")
+        node = node.setdefault(part, {})
+
+
+def _validate(config: Any) -> None:
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        if dataclasses.is_dataclass(value):
+            _validate(value)
+    check = getattr(config, "validate", None)
+    if check is not None:
+        check()
+
+
+def load_config(cls: type[T], recipe: str | Path | None, overrides: list[str] = ()) -> T:
+    """The recipe `cls` from a YAML file (or defaults when None) with dotted overrides."""
+    tree: dict[str, Any] = {}
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe {path}: no such file")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"recipe {path}: not valid YAML ({error})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"recipe {path}: expected a mapping at the top level")
+    for override in overrides:
+        _apply_override(tree, cls, override)
+    config = _build(cls, tree)
+    _validate(config)
+    return config
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    """The policy-optimisation algorithm."""
+
+    loss: str = "gspo"
+    """Policy loss, one of megatron_rl.algo.policy_loss_names()."""
+    clip_low: float | None = None
+    """Lower clip half-width; None takes the loss's default (docs/algorithms.md)."""
+    clip_high: float | None = None
+    """Upper clip half-width; None takes the loss's default."""
+    loss_agg: str = "seq-mean-token-mean"
+    """How token objectives become the loss (docs/algorithms.md, Aggregation)."""
+    routing_replay: Literal["none", "r2", "r3"] = "none"
+    """none; r2: replay the old policy's routing; r3: replay the rollout engine's routing."""
+    updates_per_batch: int = 4
+    """Minibatch updates per rollout batch (the GSPO paper uses 4)."""
+    use_engine_logprobs: bool = False
+    """Take old log-probs from the rollout engine instead of a trainer forward."""
+
+    def validate(self) -> None:
+        if self.loss not in policy_loss_names():
+            raise ConfigError(
+                f"algo.loss: unknown loss {self.loss!r}; valid: {', '.join(policy_loss_names())}"
+            )
+        if self.loss_agg not in LOSS_AGG_MODES:
+            raise ConfigError(
+                f"algo.loss_agg: unknown mode {self.loss_agg!r}; valid: {', '.join(LOSS_AGG_MODES)}"
+            )
+        for name in ("clip_low", "clip_high"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"algo.{name}: expected >= 0, got {value}")
+        if self.updates_per_batch < 1:
+            raise ConfigError(
+                f"algo.updates_per_batch: expected >= 1, got {self.updates_per_batch}"
+            )
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the model is split; dp is derived from the world size (megatron_rl.parallel.dims)."""
+
+    tp: int = 1
+    """Tensor parallel size."""
+    pp: int = 1
+    """Pipeline parallel size."""
+    ep: int = 1
+    """Expert parallel size."""
+    cp: int = 1
+    """Context parallel size."""
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "ep", "cp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name}: expected a positive int")
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    """A training recipe (the sections grow with the trainer)."""
+
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """The algorithm."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The parallel layout."""
