@@ -194,7 +194,13 @@ def _worker_main() -> None:
     args = parser.parse_args()
     fields = json.loads(args.spec)
     spec = replace(ReplayBenchSpec(), **fields | {"layers": tuple(fields["layers"])})
-    print(json.dumps(run_mode(args.layers, args.mode, spec)))
+    from megatron_rl.parallel.distributed import shutdown_distributed
+
+    try:
+        result = run_mode(args.layers, args.mode, spec)
+    finally:
+        shutdown_distributed()  # a process group left alive can abort the interpreter's exit
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
