@@ -1,0 +1,39 @@
+"""Rewards for RL post-training: verifiers that score responses, and the problems they score.
+
+A verifier maps `(prompt, response, reference)` to a float reward and is registered by name
+(`math`, `arithmetic`); `score_responses` scores a batch so that a verifier that raises or hangs
+costs one sample a zero reward, never the training step. Problems come from the built-in
+multi-step arithmetic task (`ArithmeticTask`) or from users' JSON Lines files
+(`load_jsonl_problems`). The package imports only the standard library.
+"""
+
+from megatron_rl.rewards.arithmetic import ArithmeticTask, Problem, solve
+from megatron_rl.rewards.datasets import DatasetError, load_jsonl_problems
+from megatron_rl.rewards.source import ProblemSource
+from megatron_rl.rewards.verifiers import (
+    RewardScores,
+    Verifier,
+    extract_final_answer,
+    get_verifier,
+    normalize_answer,
+    register_verifier,
+    score_responses,
+    verifier_names,
+)
+
+__all__ = [
+    "ArithmeticTask",
+    "DatasetError",
+    "Problem",
+    "ProblemSource",
+    "RewardScores",
+    "Verifier",
+    "extract_final_answer",
+    "get_verifier",
+    "load_jsonl_problems",
+    "normalize_answer",
+    "register_verifier",
+    "score_responses",
+    "solve",
+    "verifier_names",
+]

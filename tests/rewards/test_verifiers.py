@@ -1,0 +1,196 @@
+"""Final-answer extraction and normalisation, the verifier registry, tolerant batch scoring."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from megatron_rl.rewards import (
+    RewardScores,
+    extract_final_answer,
+    get_verifier,
+    normalize_answer,
+    register_verifier,
+    score_responses,
+    verifier_names,
+    verifiers,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+        ("\\boxed{1} first, then \\boxed{ 2 }", "2"),
+        ("\\boxed{\\boxed{3}} and nothing after", "\\boxed{3}"),
+        ("\\boxed{5} is complete, \\boxed{6 is truncated", "5"),
+        ("\\boxed{7}\n#### 8\n", "7"),
+        ("12+7=19\n#### 19\nthat is all", "19"),
+        ("#### 1\n#### 1,234\n", "1,234"),
+        ("#### 9", "9"),
+        ("no final answer here", None),
+        ("####9 lacks the space after the marker", None),
+    ],
+)
+def test_extract_final_answer(text, expected):
+    assert extract_final_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        (" 42 \n", "42"),
+        ("$5$", "5"),
+        ("1,234", "1234"),
+        ("-1,234,567.50", "-1234567.5"),
+        ("1.0", "1"),
+        ("1.00", "1"),
+        ("+5", "5"),
+        ("-0", "0"),
+        ("-0.000", "0"),
+        ("007", "7"),
+        ("0.50", "0.5"),
+        (".5", "0.5"),
+        ("5.", "5"),
+        ("123456789012345678901234567890.10", "123456789012345678901234567890.1"),
+        ("1,2", "1,2"),
+        ("12,34", "12,34"),
+        (" \\frac{1}{2} ", "\\frac{1}{2}"),
+        ("x + 1", "x + 1"),
+    ],
+)
+def test_normalize_answer(answer, expected):
+    assert normalize_answer(answer) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "reference", "reward"),
+    [
+        ("thus \\boxed{1,000}", "1000", 1.0),
+        ("thus \\boxed{1000.0}", "#### 1000", 1.0),
+        ("steps\n#### 12\n", "the answer is \\boxed{12}", 1.0),
+        ("thus \\boxed{999}", "1000", 0.0),
+        ("#### 12\n", "13", 0.0),
+        ("I do not know", "1000", 0.0),
+    ],
+)
+def test_math_verifier(response, reference, reward):
+    assert get_verifier("math")("What is it?", response, reference) == reward
+
+
+def test_builtin_verifiers_are_registered_and_sorted():
+    names = verifier_names()
+    assert {"arithmetic", "math"} <= set(names)
+    assert names == sorted(names)
+
+
+def test_register_verifier_adds_the_function_unchanged(monkeypatch):
+    monkeypatch.setattr(verifiers, "VERIFIERS", dict(verifiers.VERIFIERS))
+
+    def always_one(prompt: str, response: str, reference: str) -> float:
+        return 1.0
+
+    assert register_verifier("always_one")(always_one) is always_one
+    assert get_verifier("always_one") is always_one
+    assert "always_one" in verifier_names()
+
+
+def test_register_verifier_rejects_a_taken_name():
+    with pytest.raises(ValueError, match="'math' is already registered"):
+        register_verifier("math")
+
+
+def test_unknown_verifier_lists_the_valid_names():
+    with pytest.raises(ValueError, match="unknown verifier 'mat'; valid: arithmetic, math"):
+        get_verifier("mat")
+
+
+def _echo_reward(prompt: str, response: str, reference: str) -> float:
+    """Scores 1.0 for "ok"; otherwise misbehaves as the response says."""
+    if response == "raise":
+        raise RuntimeError("verifier bug")
+    if response == "nan":
+        return math.nan
+    if response == "inf":
+        return math.inf
+    if response == "text":
+        return "1.0"  # type: ignore[return-value]
+    return 1.0 if response == "ok" else 0.0
+
+
+@pytest.mark.parametrize("timeout_s", [None, 0, 5.0])
+def test_misbehaving_verifiers_score_zero_and_count_as_failures(timeout_s):
+    responses = ["ok", "raise", "ok", "nan", "inf", "text", "wrong"]
+    scores = score_responses(
+        _echo_reward, ["p"] * len(responses), responses, ["r"] * len(responses), timeout_s
+    )
+    assert scores == RewardScores(
+        rewards=[1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], failures=4, timeouts=0
+    )
+
+
+def test_without_a_timeout_verifiers_run_in_the_calling_thread():
+    threads = []
+
+    def record_thread(prompt: str, response: str, reference: str) -> float:
+        threads.append(threading.current_thread())
+        return 0.5
+
+    scores = score_responses(record_thread, ["p", "q"], ["a", "b"], ["r", "s"], None)
+    assert scores.rewards == [0.5, 0.5]
+    assert threads == [threading.current_thread()] * 2
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 8])
+def test_hung_verifiers_time_out_without_starving_the_others(concurrency):
+    release = threading.Event()
+
+    def hang_on_request(prompt: str, response: str, reference: str) -> float:
+        if response == "hang":
+            release.wait(5.0)
+        return 1.0
+
+    responses = ["hang", "ok", "hang", "ok", "hang", "ok", "ok"]
+    started = time.monotonic()
+    try:
+        scores = score_responses(
+            hang_on_request,
+            ["p"] * len(responses),
+            responses,
+            ["r"] * len(responses),
+            0.2,
+            concurrency=concurrency,
+        )
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+    assert scores == RewardScores(
+        rewards=[0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0], failures=0, timeouts=3
+    )
+    # A liveness bound: three 0.2 s timeouts one after another, far below the 5 s hang.
+    assert elapsed < 3.0
+
+
+def test_empty_batch_scores_nothing():
+    assert score_responses(_echo_reward, [], [], [], 1.0) == RewardScores([], 0, 0)
+
+
+def test_length_mismatch_names_the_arguments():
+    with pytest.raises(ValueError, match="prompts=2, responses=1, references=2"):
+        score_responses(_echo_reward, ["p", "q"], ["ok"], ["r", "s"], 1.0)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"timeout_s": math.nan}, "timeout_s: expected seconds"),
+        ({"concurrency": 0}, "concurrency: expected an int >= 1"),
+    ],
+)
+def test_bad_scoring_options_are_named(changes, message):
+    arguments = {"timeout_s": 1.0} | changes
+    with pytest.raises(ValueError, match=message):
+        score_responses(_echo_reward, ["p"], ["ok"], ["r"], **arguments)
