@@ -22,15 +22,17 @@ INSTALL_REQUIRES = [
     "safetensors==0.8.0",
 ]
 
+# Experiment tracking; megatron_rl.metrics imports it lazily. The tests run a real offline run.
+WANDB = "wandb==0.31.0"
+
 EXTRAS_REQUIRE = {
-    # What scripts/test.sh installs: the test runner, property tests and the linter.
-    "test": ["pytest==9.2.0", "hypothesis==6.170.17", "ruff==0.17.6"],
+    # What scripts/test.sh installs: the test runner, property tests, the linter and wandb.
+    "test": ["pytest==9.2.0", "hypothesis==6.170.17", "ruff==0.17.6", WANDB],
     # GPU clusters only: Transformer Engine layer specs and fused kernels.
     "gpu": ["transformer-engine[pytorch]==2.20.2"],
     # The production rollout backend.
     "sglang": ["sglang==0.5.23"],
-    # Experiment tracking; megatron_rl.metrics imports it lazily.
-    "wandb": ["wandb==0.31.0"],
+    "wandb": [WANDB],
 }
 
 setup(
