@@ -119,6 +119,21 @@ def _positive(text: str) -> int:
     return value
 
 
+def _train(args: argparse.Namespace) -> int:
+    from megatron_rl.config import Recipe, load_config
+    from megatron_rl.train import TrainingAborted, train
+
+    recipe = load_config(Recipe, args.recipe, args.overrides)
+    try:
+        metrics = train(recipe, resume=args.resume)
+    except TrainingAborted as error:
+        print(f"megatron-rl: training aborted: {error}", file=sys.stderr)
+        return 3
+    if LaunchEnv.from_environ().rank == 0 and "eval/accuracy" in metrics:
+        print(f"held-out accuracy after step {recipe.run.steps}: {metrics['eval/accuracy']:.3f}")
+    return 0
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
@@ -129,6 +144,18 @@ def _fraction(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    train_parser = commands.add_parser(
+        "train",
+        help="run an RL recipe (one process, or every rank under torchrun / srun)",
+        description="Run the RL loop of a YAML recipe; KEY=VALUE overrides any field, e.g. "
+        "algo.loss=grpo rollout.group_size=8 (docs/training.md lists every field).",
+    )
+    train_parser.add_argument("recipe", help="YAML recipe, e.g. examples/moe/tiny_gspo.yaml")
+    train_parser.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides")
+    train_parser.add_argument(
+        "--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest if any"
+    )
+    train_parser.set_defaults(handler=_train)
     losses = commands.add_parser(
         "losses",
         help="compare every registered policy loss on one synthetic MoE-drift batch",

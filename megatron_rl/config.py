@@ -173,6 +173,10 @@ class AlgoConfig:
     """Minibatch updates per rollout batch (the GSPO paper uses 4)."""
     use_engine_logprobs: bool = False
     """Take old log-probs from the rollout engine instead of a trainer forward."""
+    std_normalize: bool = True
+    """Divide group advantages by the group's std (GRPO); false: Dr. GRPO's mean-centring only."""
+    drop_zero_variance_groups: bool = False
+    """Leave out groups whose rewards are all equal (they carry no gradient; always counted)."""
 
     def validate(self) -> None:
         if self.loss not in policy_loss_names():
@@ -212,11 +216,197 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{name}: expected a positive int")
 
 
+def _positive(section: str, config: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value <= 0:
+            raise ConfigError(f"{section}.{name}: expected > 0, got {value}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy: a Hugging Face MoE checkpoint, loaded into Megatron-Core."""
+
+    hf_path: str = "examples/moe/tiny_qwen3_moe"
+    """Directory of the Hugging Face checkpoint (config.json, safetensors, tokenizer files)."""
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """Megatron-Core's MoE token dispatcher."""
+    recompute: bool = False
+    """Recompute activations in the backward pass (less memory, more time)."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Sampling responses from the current policy."""
+
+    backend: Literal["local"] = "local"
+    """Rollout engine: local (in-process Hugging Face model; CPU runs and tests)."""
+    prompts_per_step: int = 16
+    """Prompts sampled per RL step."""
+    group_size: int = 8
+    """Responses per prompt (the group of group-relative advantages)."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are always taken at temperature 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    max_new_tokens: int = 48
+    """Longest response in tokens."""
+    max_batch_size: int = 256
+    """Sequences the engine generates at once."""
+
+    def validate(self) -> None:
+        _positive("rollout", self, "prompts_per_step", "max_new_tokens", "max_batch_size")
+        if self.group_size < 2:
+            raise ConfigError(
+                f"rollout.group_size: expected >= 2, got {self.group_size} (advantages are "
+                "relative to the prompt's group; one sample has no group mean or std)"
+            )
+        if self.temperature < 0:
+            raise ConfigError(f"rollout.temperature: expected >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p: expected a value in (0, 1], got {self.top_p}")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Megatron-Core's Adam."""
+
+    lr: float = 1e-5
+    """Learning rate (constant after warm-up)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+
+    def validate(self) -> None:
+        _positive("optim", self, "lr", "clip_grad", "adam_eps")
+        if self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ConfigError("optim.warmup_steps and optim.weight_decay: expected >= 0")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompts, references and the verifier that scores responses."""
+
+    source: Literal["arithmetic", "jsonl"] = "arithmetic"
+    """arithmetic: the built-in multi-step task; jsonl: `train_path` / `eval_path` files."""
+    train_path: str | None = None
+    """JSONL file with one {"prompt": ..., "answer": ...} per line (source=jsonl)."""
+    eval_path: str | None = None
+    """JSONL file of held-out problems (source=jsonl)."""
+    verifier: str = "arithmetic"
+    """Reward function, one of megatron_rl.rewards.verifier_names()."""
+    reward_timeout_s: float = 5.0
+    """A verifier call longer than this gives reward 0 (counted as a timeout)."""
+    eval_problems: int = 256
+    """Held-out problems scored at each evaluation (the first N of the eval split)."""
+    min_operands: int = 3
+    """Arithmetic task: fewest numbers in an expression."""
+    max_operands: int = 4
+    """Arithmetic task: most numbers in an expression."""
+    max_operand: int = 30
+    """Arithmetic task: largest number."""
+
+    def validate(self) -> None:
+        from megatron_rl.rewards import verifier_names
+
+        if self.verifier not in verifier_names():
+            raise ConfigError(
+                f"data.verifier: unknown verifier {self.verifier!r}; valid: "
+                f"{', '.join(verifier_names())}"
+            )
+        if self.source == "jsonl" and not (self.train_path and self.eval_path):
+            raise ConfigError("data.train_path and data.eval_path: required when source=jsonl")
+        _positive("data", self, "reward_timeout_s", "eval_problems")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """The run: length, seeds, batching, where it writes."""
+
+    name: str = "run"
+    """Run name (wandb, log lines)."""
+    dir: str = "runs/run"
+    """Run directory: metrics.jsonl, checkpoints/, export/, wandb/."""
+    steps: int = 100
+    """RL steps (one rollout batch each)."""
+    seed: int = 1234
+    """Seed of data order, sampling and initialisation."""
+    eval_every: int = 10
+    """Held-out accuracy every this many steps (and before the first step and after the last)."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward pass (gradient accumulation makes up the minibatch)."""
+    max_bad_steps: int = 3
+    """Consecutive steps with a non-finite loss or gradient (skipped) before the run aborts."""
+
+    def validate(self) -> None:
+        _positive("run", self, "steps", "eval_every", "micro_batch_size", "max_bad_steps")
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    """Where per-step metrics go."""
+
+    jsonl: bool = True
+    """Append every step's metrics to RUN_DIR/metrics.jsonl."""
+    console: bool = True
+    """Progress bar with ETA and the headline metrics."""
+    wandb: Literal["auto", "online", "offline", "disabled"] = "disabled"
+    """wandb logging: auto (online with WANDB_API_KEY, else offline), online, offline, disabled."""
+    wandb_project: str = "megatron-rl"
+    """wandb project."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Distributed checkpoints of the whole training state, and the final export."""
+
+    save_every: int = 0
+    """Save every this many steps (0: only at the end)."""
+    keep: int = 2
+    """Checkpoints kept on disk (the newest ones)."""
+    export_hf: bool = True
+    """Export the final policy to RUN_DIR/export as a Hugging Face checkpoint."""
+
+    def validate(self) -> None:
+        if self.save_every < 0 or self.keep < 1:
+            raise ConfigError("checkpoint.save_every: expected >= 0; checkpoint.keep: >= 1")
+
+
 @dataclass(kw_only=True)
 class Recipe:
-    """A training recipe (the sections grow with the trainer)."""
+    """A training recipe: every section of `megatron-rl train RECIPE`."""
 
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    """The algorithm."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The parallel layout."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """The algorithm."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and rewards."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Length, seeds, batching, run directory."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Metric sinks."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and export."""
+
+    def validate(self) -> None:
+        if self.algo.routing_replay == "r2" and self.algo.use_engine_logprobs:
+            raise ConfigError(
+                "algo.routing_replay=r2 records routing in the trainer's old-policy forward, "
+                "which algo.use_engine_logprobs=true skips; use r3 or turn one off"
+            )

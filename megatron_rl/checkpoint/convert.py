@@ -23,6 +23,7 @@ from megatron.core import dist_checkpointing
 from tqdm import tqdm
 
 from megatron_rl.checkpoint.hf_files import (
+    ASSET_FILES,
     HFCheckpoint,
     TensorSpec,
     check_output_dir,
@@ -197,15 +198,43 @@ def mcore_to_hf(
     """Write a Hugging Face checkpoint (config.json, sharded safetensors with an index,
     tokenizer files) from a megatron-rl checkpoint; rank 0 writes, every rank streams."""
     family, config = read_metadata(ckpt)
+    model = build_gpt_moe(config, dims, initialize=False)
+    model.load_state_dict(
+        dist_checkpointing.load(model.sharded_state_dict(), str(ckpt / "weights"))
+    )
+    export_hf(
+        model,
+        family,
+        config,
+        ckpt / "hf",
+        out,
+        overwrite=overwrite,
+        max_shard_bytes=max_shard_bytes,
+        bucket_bytes=bucket_bytes,
+        progress=progress,
+    )
+
+
+def export_hf(
+    model: torch.nn.Module,
+    family: ModelFamily,
+    config: MoEModelConfig,
+    assets: Path,
+    out: Path,
+    *,
+    overwrite: bool = False,
+    max_shard_bytes: int = 5 * 2**30,
+    bucket_bytes: int = 512 * 2**20,
+    progress: bool = False,
+) -> None:
+    """Write a live model (every rank's `model` chunk, unwrapped) as a Hugging Face checkpoint
+    at `out`, with config.json and tokenizer files from `assets` (a collective)."""
     staging = _staging_dir(out, overwrite=overwrite)
     failed = True
     try:
-        model = build_gpt_moe(config, dims, initialize=False)
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt / "weights"))
-        model.load_state_dict(state)
         stream = stream_hf_weights(model, family, config, bucket_bytes=bucket_bytes)
         if dist.get_rank() == 0:
-            _write_hf(staging, ckpt, family, config, stream, max_shard_bytes, progress)
+            _write_hf(staging, assets, family, config, stream, max_shard_bytes, progress)
         else:
             for _ in stream:
                 pass
@@ -232,15 +261,17 @@ class _Progress:
 
 def _write_hf(
     staging: Path,
-    ckpt: Path,
+    assets: Path,
     family: ModelFamily,
     config: MoEModelConfig,
     stream: HFWeightStream,
     max_shard_bytes: int,
     progress: bool,
 ) -> None:
-    source_config = ckpt / "hf" / "config.json"
-    hf_config = read_config(ckpt / "hf") if source_config.is_file() else family.config_to_hf(config)
+    """Rank 0: the streamed weights as safetensors shards, with config.json and the tokenizer
+    files from the Hugging Face directory `assets` (config.json made from `config` if absent)."""
+    source_config = assets / "config.json"
+    hf_config = read_config(assets) if source_config.is_file() else family.config_to_hf(config)
     specs = [TensorSpec(name, shape, dtype) for name, shape, dtype in stream.manifest]
     bar = _Progress(len(specs), "mcore-to-hf", progress)
     try:
@@ -251,4 +282,4 @@ def _write_hf(
     finally:
         bar.close()
     (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    copy_assets([p for p in (ckpt / "hf").glob("*") if p.name != "config.json"], staging)
+    copy_assets([assets / name for name in ASSET_FILES if (assets / name).is_file()], staging)

@@ -9,7 +9,7 @@ total in `finalize_model_grads`: gradient accumulation and DP give the gradient 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -176,7 +176,7 @@ def _router_tokens(micro_batch: PolicyMicroBatch, model: torch.nn.Module) -> int
 
 
 def _forward_step(
-    spec: PolicyLossSpec,
+    make_loss_func: Callable[[PolicyMicroBatch], Callable],
     replay: RoutingControl | None,
     record_routing: bool,
     data_iterator: Iterator[PolicyMicroBatch],
@@ -204,7 +204,7 @@ def _forward_step(
             micro_batch.routing = replay.collect()
         else:
             replay.replay_backward_from(output)
-    return output, partial(policy_loss_func, micro_batch, spec)
+    return output, make_loss_func(micro_batch)
 
 
 @dataclass(frozen=True)
@@ -232,6 +232,26 @@ def policy_forward_backward(
     With `replay`, each micro-batch's `routing` is forced (or, with `record_routing`, recorded
     into it: the old-policy pass of R2).
     """
+    results = _run_schedule(
+        model,
+        micro_batches,
+        lambda micro_batch: partial(policy_loss_func, micro_batch, spec),
+        forward_only=forward_only,
+        replay=replay,
+        record_routing=record_routing,
+    )
+    return _global_loss(micro_batches, spec, results)
+
+
+def _run_schedule(
+    model: torch.nn.Module,
+    micro_batches: list[PolicyMicroBatch],
+    make_loss_func: Callable[[PolicyMicroBatch], Callable],
+    *,
+    forward_only: bool,
+    replay: RoutingControl | None,
+    record_routing: bool,
+) -> list[dict[str, Tensor]]:
     if not micro_batches:
         raise ValueError("micro_batches: expected at least one micro-batch")
     shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
@@ -242,7 +262,7 @@ def policy_forward_backward(
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = getattr(model, "no_sync", None)
     results = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, spec, replay, record_routing),
+        forward_step_func=partial(_forward_step, make_loss_func, replay, record_routing),
         data_iterator=iter(micro_batches),
         model=[model],
         num_microbatches=len(micro_batches),
@@ -252,7 +272,43 @@ def policy_forward_backward(
     )
     if replay is not None and not record_routing:
         replay.finish()
-    return _global_loss(micro_batches, spec, results)
+    return results
+
+
+def _store_logprobs(
+    micro_batch: PolicyMicroBatch, logits: Tensor
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """A loss function that keeps the micro-batch's token log-probs and entropy instead."""
+    token = vocab_parallel_logprobs(
+        logits.detach(),
+        micro_batch.targets(),
+        group=parallel_state.get_tensor_model_parallel_group(),
+    )
+    micro_batch.old_logp = token.logp
+    micro_batch.old_entropy = token.entropy
+    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+    return zero, torch.ones((), dtype=torch.int), {}
+
+
+def policy_logprobs(
+    model: torch.nn.Module,
+    micro_batches: list[PolicyMicroBatch],
+    *,
+    replay: RoutingControl | None = None,
+    record_routing: bool = False,
+) -> None:
+    """The old-policy pass: a forward over `micro_batches` that sets each one's `old_logp` and
+    `old_entropy` (on the last pipeline stage; other stages never read them) and, with
+    `record_routing`, its `routing` (R2)."""
+    with torch.no_grad():
+        _run_schedule(
+            model,
+            micro_batches,
+            lambda micro_batch: partial(_store_logprobs, micro_batch),
+            forward_only=True,
+            replay=replay,
+            record_routing=record_routing,
+        )
 
 
 def _global_loss(

@@ -1,0 +1,171 @@
+"""Make the tiny base model of the CPU recipes: a Qwen3-MoE-shaped model warm-started by
+supervised training on the built-in arithmetic task, stopped while it is still often wrong.
+
+    python examples/moe/make_tiny_model.py --out examples/moe/tiny_qwen3_moe
+
+Steps: build a character-level tokenizer over the task's alphabet; initialise a 4-layer,
+8-expert, top-2 Qwen3-MoE at random (seeded); train it on (prompt, worked solution) pairs of
+the task's train split, with the loss on the solution only; every `--eval-every` steps measure
+greedy accuracy on a validation draw of the held-out split; stop at the first evaluation that
+reaches `--target-accuracy` (so RL has room above it). Deterministic on one machine for a
+given seed and thread count. Writes into a temporary directory, renamed when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from megatron_rl.rewards import ArithmeticTask, get_verifier
+from megatron_rl.rollout.codec import PromptCodec
+from megatron_rl.rollout.evaluate import held_out_accuracy
+from megatron_rl.rollout.local import LocalEngine
+
+SPECIAL_TOKENS = ("<|pad|>", "<|endoftext|>")
+ALPHABET = "0123456789+-=# \n"
+VOCAB_SIZE = 32  # the 18 tokens, padded so the vocabulary splits over up to 32 TP ranks
+MAX_NEW_TOKENS = 48
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character of the task's alphabet, plus padding and end-of-text."""
+    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *ALPHABET])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=SPECIAL_TOKENS[1],
+        pad_token=SPECIAL_TOKENS[0],
+        model_max_length=128,
+    )
+
+
+def model_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.01,
+        output_router_logits=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+
+
+def training_batch(
+    tokenizer: PreTrainedTokenizerFast, prompts: list[str], solutions: list[str]
+) -> dict[str, torch.Tensor]:
+    """Right-padded prompt + solution + end-of-text; labels only on the solution part."""
+    rows, labels = [], []
+    for prompt, solution in zip(prompts, solutions, strict=True):
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        answer_ids = tokenizer.encode(solution, add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append(prompt_ids + answer_ids)
+        labels.append([-100] * len(prompt_ids) + answer_ids)
+    width = max(map(len, rows))
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    label_ids = torch.full((len(rows), width), -100)
+    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, (row, label) in enumerate(zip(rows, labels, strict=True)):
+        input_ids[index, : len(row)] = torch.tensor(row)
+        label_ids[index, : len(row)] = torch.tensor(label)
+        attention_mask[index, : len(row)] = 1
+    return {"input_ids": input_ids, "labels": label_ids, "attention_mask": attention_mask}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="output directory (new)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--max-steps", type=int, default=3000)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--eval-problems", type=int, default=200)
+    parser.add_argument("--target-accuracy", type=float, default=0.35)
+    args = parser.parse_args()
+    if args.out.exists():
+        raise SystemExit(f"--out {args.out}: already exists; remove it or choose another path")
+
+    torch.manual_seed(args.seed)
+    task = ArithmeticTask()
+    tokenizer = char_tokenizer()
+    model = Qwen3MoeForCausalLM(model_config(tokenizer))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    warmup = 50
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    train = task.problems("train", args.batch_size * args.max_steps, seed=args.seed)
+    validation = task.problems("eval", args.eval_problems, seed=args.seed + 1)
+    verifier = get_verifier("arithmetic")
+
+    staging = Path(tempfile.mkdtemp(prefix=f".{args.out.name}-", dir=args.out.parent))
+    tokenizer.save_pretrained(staging)
+    codec = PromptCodec(staging, max_prompt_tokens=128 - MAX_NEW_TOKENS)
+    engine = LocalEngine(model)
+    started, accuracy, step = time.time(), 0.0, 0
+    history = []
+    for step in range(1, args.max_steps + 1):
+        chunk = train[(step - 1) * args.batch_size : step * args.batch_size]
+        batch = training_batch(tokenizer, [p.prompt for p in chunk], [p.solution for p in chunk])
+        model.train()
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % args.eval_every == 0:
+            accuracy = held_out_accuracy(
+                engine, codec, validation, verifier, max_new_tokens=MAX_NEW_TOKENS
+            )
+            history.append({"step": step, "loss": round(loss.item(), 4), "accuracy": accuracy})
+            print(f"step {step}  loss {loss.item():.4f}  validation accuracy {accuracy:.3f}")
+            if accuracy >= args.target_accuracy or not math.isfinite(loss.item()):
+                break
+    model.config.output_router_logits = False
+    model.save_pretrained(staging)
+    (staging / "training.json").write_text(
+        json.dumps(
+            {
+                "command": "python examples/moe/make_tiny_model.py "
+                + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+                "task": vars(task) if hasattr(task, "__dict__") else str(task),
+                "steps": step,
+                "seconds": round(time.time() - started, 1),
+                "validation_accuracy": accuracy,
+                "history": history,
+            },
+            indent=2,
+            default=str,
+        )
+        + "\n"
+    )
+    shutil.move(staging, args.out)
+    print(f"wrote {args.out} after {step} steps; validation accuracy {accuracy:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Training checkpoints: everything a run needs to continue exactly where it stopped.
+
+    CHECKPOINTS/step_000020/
+        dist/               megatron-core dist_checkpointing: model and optimizer (any layout)
+        rng_rank{r}.pt      this rank's torch, Python and NumPy RNG states
+        trainer.json        step, learning-rate scheduler, the loop's own counters
+    CHECKPOINTS/latest      name of the newest complete checkpoint
+
+A checkpoint is written into `.step_000020.tmp` and renamed when every rank has finished, and
+`latest` is replaced atomically after that: a run killed while saving keeps its previous
+checkpoint. Only the newest `keep` checkpoints stay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megatron_rl.fileio import write_text_atomic
+from megatron_rl.models.policy import Policy
+
+LATEST = "latest"
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def _sharded_state(policy: Policy, *, is_loading: bool) -> dict[str, Any]:
+    model = policy.model.module.sharded_state_dict()
+    optimizer = policy.optimizer.sharded_state_dict(model, is_loading=is_loading)
+    return {"model": model, "optimizer": optimizer}
+
+
+def save_checkpoint(
+    directory: Path, step: int, policy: Policy, trainer_state: dict[str, Any], *, keep: int
+) -> Path:
+    """Save the training state after `step` under `directory` (a collective); returns the path."""
+    final = directory / f"step_{step:06d}"
+    staging = directory / f".step_{step:06d}.tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        (staging / "dist").mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(policy, is_loading=False), str(staging / "dist"))
+    rng_path = staging / f"rng_rank{dist.get_rank()}.pt"
+    with open(rng_path, "wb") as handle:
+        torch.save(_rng_state(), handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        state = {
+            "step": step,
+            "world_size": dist.get_world_size(),
+            "scheduler": policy.scheduler.state_dict(),
+            "trainer": trainer_state,
+        }
+        write_text_atomic(staging / "trainer.json", json.dumps(state, indent=2) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        write_text_atomic(directory / LATEST, final.name + "\n")
+        for old in sorted(directory.glob("step_*"))[:-keep]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The newest complete checkpoint under `directory`, or None when there is none."""
+    pointer = directory / LATEST
+    if not pointer.is_file():
+        return None
+    path = directory / pointer.read_text().strip()
+    if not (path / "trainer.json").is_file():
+        raise ValueError(f"{pointer}: names {path.name}, which is not a complete checkpoint")
+    return path
+
+
+def load_checkpoint(path: Path, policy: Policy) -> tuple[int, dict[str, Any]]:
+    """Restore `policy` (model, optimizer, scheduler) and this rank's RNGs from `path`;
+    returns the step it was saved after and the loop's own state."""
+    state = json.loads((path / "trainer.json").read_text())
+    if state["world_size"] != dist.get_world_size():
+        raise ValueError(
+            f"{path}: saved by {state['world_size']} ranks, resumed with "
+            f"{dist.get_world_size()}; the RNG states are per rank"
+        )
+    loaded = dist_checkpointing.load(_sharded_state(policy, is_loading=True), str(path / "dist"))
+    policy.model.module.load_state_dict(loaded["model"])
+    policy.optimizer.load_state_dict(loaded["optimizer"])
+    policy.scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    return state["step"], state["trainer"]

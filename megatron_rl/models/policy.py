@@ -1,0 +1,214 @@
+"""The trainable policy on this rank: a Megatron-Core MoE model chunk loaded from a Hugging Face
+checkpoint, megatron-core's DDP, optimizer and learning-rate scheduler, and routing replay."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from torch import Tensor
+
+from megatron_rl.checkpoint.convert import inspect_hf
+from megatron_rl.models.build import Dispatcher, build_gpt_moe, build_optimizer, wrap_for_training
+from megatron_rl.models.hf_weights import HFWeightStream, load_hf_weights, stream_hf_weights
+from megatron_rl.moe.drift import routing_drift
+from megatron_rl.moe.replay import RoutingReplay
+from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.parallel.schedule import (
+    PolicyLossSpec,
+    PolicyMicroBatch,
+    policy_forward_backward,
+    policy_logprobs,
+)
+
+# Per-micro-batch sums used for the loss itself; the update reports the loss instead.
+_NOT_AVERAGED = ("loss/sum", "entropy/sum", "loss/denominator")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSettings:
+    """Adam and its schedule (see megatron_rl.config.OptimConfig)."""
+
+    lr: float
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """One optimizer step: the global loss, the gradient norm and the loss metrics averaged over
+    micro-batches and data-parallel ranks (maxima and minima for `*/max`, `*/min`)."""
+
+    loss: float
+    grad_norm: float
+    skipped: bool  # the loss or the gradient was not finite: no step was taken
+    metrics: dict[str, float]
+
+
+class Policy:
+    """This rank's share of the policy (its pipeline stage, TP and EP shards)."""
+
+    def __init__(
+        self,
+        hf_dir: str | Path,
+        dims: ParallelDims,
+        optimizer: OptimizerSettings,
+        *,
+        dispatcher: Dispatcher = "alltoall",
+        recompute: bool = False,
+        routing_replay: bool = False,
+    ) -> None:
+        source = inspect_hf(Path(hf_dir))
+        self.family, self.config = source.family, source.config
+        model = build_gpt_moe(
+            self.config,
+            dims,
+            dispatcher=dispatcher,
+            recompute=recompute,
+            initialize=False,
+            routing_replay=routing_replay,
+        )
+        load_hf_weights(
+            model, self.family, self.config, source.checkpoint.tensor, source.checkpoint.shape
+        )
+        source.checkpoint.close()
+        self.replay = RoutingReplay(model) if routing_replay else None
+        self.model = wrap_for_training(model)
+        self.optimizer = build_optimizer(
+            self.model,
+            lr=optimizer.lr,
+            weight_decay=optimizer.weight_decay,
+            clip_grad=optimizer.clip_grad,
+            adam_betas=optimizer.adam_betas,
+            adam_eps=optimizer.adam_eps,
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if optimizer.warmup_steps else optimizer.lr,
+            max_lr=optimizer.lr,
+            min_lr=optimizer.lr,
+            lr_warmup_steps=optimizer.warmup_steps,
+            lr_decay_steps=optimizer.warmup_steps + 1,
+            lr_decay_style="constant",
+            start_wd=optimizer.weight_decay,
+            end_wd=optimizer.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+
+    def old_logprobs(self, micro_batches: list[PolicyMicroBatch], *, record_routing: bool) -> None:
+        """Fill each micro-batch's `old_logp` and `old_entropy` with a forward of the current
+        weights; with `record_routing` (R2) also its `routing`."""
+        policy_logprobs(
+            self.model,
+            micro_batches,
+            replay=self.replay if record_routing else None,
+            record_routing=record_routing,
+        )
+
+    def update(
+        self, micro_batches: list[PolicyMicroBatch], spec: PolicyLossSpec, *, replay: bool
+    ) -> UpdateResult:
+        """One optimizer step on the minibatch made of `micro_batches` (all DP ranks together).
+
+        A non-finite loss or gradient norm skips the step (gradients are dropped) and says so.
+        """
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        replaying = self.replay if replay else None
+        watch = replaying.observe_free_routing() if replaying is not None else None
+        result = policy_forward_backward(self.model, micro_batches, spec, replay=replaying)
+        drift = {} if watch is None else _replay_drift(micro_batches[-1], watch())
+        # The optimizer reads `main_grad` only after prepare_grads; norm first, so that a
+        # non-finite gradient is caught before it reaches the weights.
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        loss = _last_stage_value(float(result.loss))
+        metrics = _average_metrics(result.metrics) | drift
+        skipped = not (torch.isfinite(torch.tensor([loss, grad_norm])).all())
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step(increment=1)
+        return UpdateResult(loss=loss, grad_norm=grad_norm, skipped=bool(skipped), metrics=metrics)
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def weight_stream(self, *, bucket_bytes: int = 512 * 2**20) -> HFWeightStream:
+        """The current weights as Hugging Face tensors on global rank 0 (a collective)."""
+        return stream_hf_weights(
+            self.model.module, self.family, self.config, bucket_bytes=bucket_bytes
+        )
+
+
+def _replay_drift(micro_batch: PolicyMicroBatch, free: list[Tensor]) -> dict[str, float]:
+    """How far the routing the current weights would choose has drifted from the replayed one
+    (the old policy's, R2, or the engine's, R3): this rank's last micro-batch, response tokens
+    (all tokens under sequence parallelism, whose slices the mask does not follow)."""
+    replayed = torch.stack(micro_batch.routing, 1)
+    chosen = torch.stack(free, 1).to(replayed.dtype)
+    # Routers see tokens sequence-major: position, then row.
+    mask = micro_batch.loss_mask.transpose(0, 1).reshape(-1)
+    drift = routing_drift(replayed, chosen, mask if mask.numel() == len(replayed) else None)
+    return {
+        f"routing/{key.replace('/', '_')}": float(value)
+        for key, value in drift.items()
+        if "layer/" not in key
+    }
+
+
+def _last_stage_value(value: float) -> float:
+    """A value only the last pipeline stage knows, on every rank (a float64 broadcast)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    box = torch.tensor([value], dtype=torch.float64)
+    dist.broadcast(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return float(box)
+
+
+def _average_metrics(per_micro_batch: list[dict[str, Tensor]]) -> dict[str, float]:
+    """Loss metrics over micro-batches and data-parallel ranks; empty off the last stage."""
+    keys = sorted(
+        k for k in (per_micro_batch[0] if per_micro_batch else {}) if k not in _NOT_AVERAGED
+    )
+    if not keys:
+        return {}
+    values = torch.tensor(
+        [[float(m[key]) for key in keys] for m in per_micro_batch], dtype=torch.float64
+    )
+    finite = torch.nan_to_num(values, nan=0.0)
+    totals = torch.stack(
+        [
+            finite.sum(0),
+            finite.max(0).values,
+            finite.min(0).values,
+            torch.full((len(keys),), float(len(per_micro_batch)), dtype=torch.float64),
+        ]
+    )
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(totals[0], group=group)
+        dist.all_reduce(totals[3], group=group)
+        dist.all_reduce(totals[1], op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(totals[2], op=dist.ReduceOp.MIN, group=group)
+    result = {}
+    for index, key in enumerate(keys):
+        if key.endswith("max"):
+            result[key] = float(totals[1, index])
+        elif key.endswith("min"):
+            result[key] = float(totals[2, index])
+        else:
+            result[key] = float(totals[0, index] / totals[3, index])
+    return result

@@ -1,0 +1,160 @@
+"""Rollout samples -> the trainer's micro-batches.
+
+A rollout batch is prompt-major (the `group_size` samples of prompt g are rows
+g*group_size ...). Every sample becomes one right-padded row `[S]` of prompt + response tokens;
+position t is true in `loss_mask` where it predicts a response token (see
+`megatron_rl.parallel.schedule.PolicyMicroBatch`). The batch is split into minibatches (one
+optimizer step each), each minibatch over the data-parallel ranks, and each rank's share into
+micro-batches of equal shape: megatron-core's schedule wants one shape, and expert-parallel
+ranks must run the same number of forwards, so short shares are filled with empty rows (no
+loss tokens, zero advantage), which change neither the loss nor its gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megatron_rl.algo import subsentence_segment_ids
+from megatron_rl.moe.engine_routing import place_engine_routing, router_order
+from megatron_rl.parallel.schedule import PolicyMicroBatch
+from megatron_rl.rollout.engine import Sample
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """All samples of one RL step as padded tensors.
+
+    Attributes:
+        tokens: `[B, S]` prompt + response ids, right-padded with `pad_id`.
+        loss_mask: `[B, S]` bool, true at positions that predict a response token.
+        engine_logp: `[B, S]` the engine's log-prob of the predicted token on the mask, else 0.
+        advantages: `[B]` per-sample advantages.
+        segment_ids: `[B, S]` SSPO segment ids of the predicted tokens (-1 off the mask).
+        samples: the samples, in row order (their engine routing is used for R3).
+    """
+
+    tokens: Tensor
+    loss_mask: Tensor
+    engine_logp: Tensor
+    advantages: Tensor
+    segment_ids: Tensor
+    samples: tuple[Sample, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+
+def build_rollout_batch(
+    samples: Sequence[Sample],
+    advantages: Tensor,
+    *,
+    pad_id: int,
+    newline_token_ids: Sequence[int],
+) -> RolloutBatch:
+    """Pad `samples` (with their `[B]` advantages) into a RolloutBatch."""
+    if len(samples) != advantages.numel():
+        raise ValueError(f"advantages: {advantages.numel()} values for {len(samples)} samples")
+    if not samples:
+        raise ValueError("samples: an empty rollout batch")
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    tokens = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    engine_logp = torch.zeros(len(samples), width, dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        prompt, response = len(sample.prompt_ids), len(sample.response_ids)
+        tokens[row, : prompt + response] = torch.tensor(sample.prompt_ids + sample.response_ids)
+        # Position t predicts token t + 1: the response is predicted from prompt - 1 on.
+        loss_mask[row, prompt - 1 : prompt + response - 1] = True
+        engine_logp[row, prompt - 1 : prompt + response - 1] = sample.logprobs.float()
+    predicted = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+    segments = subsentence_segment_ids(predicted, loss_mask, newline_token_ids)
+    return RolloutBatch(
+        tokens=tokens,
+        loss_mask=loss_mask,
+        engine_logp=engine_logp,
+        advantages=advantages.to(torch.float32),
+        segment_ids=segments,
+        samples=tuple(samples),
+    )
+
+
+@dataclass(frozen=True)
+class EngineRouting:
+    """Where this rank's routers sit, to turn engine routing (R3) into replay targets."""
+
+    num_layers: int  # MoE layers of the whole model
+    topk: int
+    layers: range  # global indices of this pipeline stage's MoE layers
+    sp_rank: int = 0
+    sp_size: int = 1
+
+
+def minibatch_rows(num_rows: int, num_minibatches: int, seed: int) -> list[list[int]]:
+    """A seeded shuffle of the rows, cut into `num_minibatches` near-equal minibatches."""
+    if num_minibatches > num_rows:
+        raise ValueError(
+            f"algo.updates_per_batch: {num_minibatches} minibatches from {num_rows} samples"
+        )
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [chunk.tolist() for chunk in torch.tensor(order).tensor_split(num_minibatches)]
+
+
+def micro_batches(
+    batch: RolloutBatch,
+    rows: Sequence[int],
+    *,
+    dp_rank: int,
+    dp_size: int,
+    micro_batch_size: int,
+    engine_routing: EngineRouting | None = None,
+) -> list[PolicyMicroBatch]:
+    """This DP rank's micro-batches of the minibatch `rows` (rows dp_rank, dp_rank + dp_size, ...
+    of it), padded with empty rows to the same count on every rank."""
+    share = list(rows[dp_rank::dp_size])
+    per_rank = math.ceil(len(rows) / dp_size)
+    size = min(micro_batch_size, per_rank)
+    count = math.ceil(per_rank / size)
+    share += [-1] * (count * size - len(share))
+    result = []
+    for start in range(0, len(share), size):
+        chunk = share[start : start + size]
+        result.append(_micro_batch(batch, chunk, engine_routing))
+    return result
+
+
+def _micro_batch(
+    batch: RolloutBatch, chunk: list[int], engine_routing: EngineRouting | None
+) -> PolicyMicroBatch:
+    real = torch.tensor([max(row, 0) for row in chunk])
+    empty = torch.tensor([row < 0 for row in chunk])
+    micro = PolicyMicroBatch(
+        tokens=batch.tokens[real],
+        loss_mask=batch.loss_mask[real] & ~empty[:, None],
+        old_logp=batch.engine_logp[real],
+        advantages=torch.where(empty, 0.0, batch.advantages[real]),
+        segment_ids=torch.where(empty[:, None], -1, batch.segment_ids[real]),
+    )
+    if engine_routing is not None:
+        placed = [(i, batch.samples[row]) for i, row in enumerate(chunk) if row >= 0]
+        routing, _ = place_engine_routing(
+            [sample.routed_experts for _, sample in placed],
+            rows=[i for i, _ in placed],
+            starts=[0] * len(placed),
+            lengths=[len(s.prompt_ids) + len(s.response_ids) for _, s in placed],
+            batch_shape=tuple(micro.tokens.shape),
+            num_layers=engine_routing.num_layers,
+            topk=engine_routing.topk,
+        )
+        micro.routing = router_order(
+            routing,
+            sp_rank=engine_routing.sp_rank,
+            sp_size=engine_routing.sp_size,
+            layers=engine_routing.layers,
+        )
+    return micro

@@ -1,0 +1,45 @@
+"""Text <-> token ids for rollouts, with the Hugging Face tokenizer saved beside the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+
+class PromptCodec:
+    """Encodes prompts, decodes responses, and names the token ids the trainer cares about.
+
+    Args:
+        tokenizer_dir: a directory with the tokenizer files (the Hugging Face model's).
+        max_prompt_tokens: longest prompt accepted; a longer one is an error naming it.
+    """
+
+    def __init__(self, tokenizer_dir: str | Path, *, max_prompt_tokens: int) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(f"{tokenizer_dir}: the tokenizer defines no eos token")
+        self.max_prompt_tokens = max_prompt_tokens
+        vocab = self.tokenizer.get_vocab()
+        # SSPO segments end at newlines; with BPE vocabularies merged tokens such as ".\n" too.
+        self.newline_token_ids = sorted(
+            index for index in vocab.values() if self.tokenizer.decode([index]).endswith("\n")
+        )
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (self.tokenizer.eos_token_id,)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ValueError(f"prompt {text!r}: encodes to no tokens")
+        if len(ids) > self.max_prompt_tokens:
+            raise ValueError(
+                f"prompt {text[:40]!r}...: {len(ids)} tokens, longer than the "
+                f"{self.max_prompt_tokens} allowed (context length minus rollout.max_new_tokens)"
+            )
+        return ids
+
+    def decode(self, ids: tuple[int, ...] | list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)

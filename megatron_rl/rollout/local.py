@@ -1,0 +1,246 @@
+"""The in-process rollout engine: batched sampling with a KV cache from a Hugging Face model.
+
+Why a Hugging Face model and not megatron-core's inference engine: the engine then runs the
+*exported* weights through an independent implementation, exactly as SGLang does, so every weight
+sync exercises the conversion mapping (megatron_rl.models.hf_weights) and the engine/trainer
+log-prob comparison checks it. It also keeps the engine independent of the trainer's parallel
+layout (it lives on one rank while the trainer is split by EP or TP) and runs on plain CPU torch.
+
+Weights arrive under their checkpoint names (per-expert tensors); transformers 5 keeps experts
+fused in memory. The map from checkpoint names to memory comes from transformers' own reverse
+conversion, applied once to tensors that hold each parameter element's flat index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
+
+from megatron_rl.rollout.engine import Sample, SamplingParams, WeightBucket
+
+
+class WeightUpdateError(ValueError):
+    """A weight update that does not fit the engine's model (names, shapes or coverage)."""
+
+
+class _CheckpointNameMap:
+    """Checkpoint tensor name -> (parameter, flat indices of its elements in that parameter)."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        params = dict(model.named_parameters())
+        offsets, start = {}, 0
+        index_state = {}
+        for name, param in params.items():
+            offsets[name] = start
+            index_state[name] = torch.arange(start, start + param.numel()).view(param.shape)
+            start += param.numel()
+        owners = sorted(offsets.items(), key=lambda item: item[1])
+        bounds = torch.tensor([offset for _, offset in owners])
+        self.targets: dict[str, tuple[Tensor, Tensor]] = {}
+        for ckpt_name, flat in revert_weight_conversion(model, index_state).items():
+            owner = owners[int(torch.searchsorted(bounds, flat.min(), right=True)) - 1][0]
+            self.targets[ckpt_name] = (params[owner], flat - offsets[owner])
+
+    def copy(self, name: str, tensor: Tensor) -> None:
+        if name not in self.targets:
+            raise WeightUpdateError(f"weight {name!r}: the engine's model has no such tensor")
+        param, index = self.targets[name]
+        if tuple(tensor.shape) != tuple(index.shape):
+            raise WeightUpdateError(
+                f"weight {name!r}: shape {list(tensor.shape)}, the engine expects "
+                f"{list(index.shape)}"
+            )
+        param.data.view(-1)[index.reshape(-1)] = tensor.reshape(-1).to(param.dtype)
+
+
+class LocalEngine:
+    """Generates on this process from a Hugging Face causal LM (see the module docstring).
+
+    Args:
+        model: a transformers causal LM (float32; put in eval mode here).
+        max_batch_size: sequences generated together; larger requests run in chunks.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, max_batch_size: int = 256) -> None:
+        self.model = model.eval()
+        self.max_batch_size = max_batch_size
+        self._names = _CheckpointNameMap(self.model)
+        self._routers = [m for m in self.model.modules() if type(m).__name__.endswith("Router")]
+        # MoE models may be configured to return router logits for an aux loss; not needed here.
+        self._extra_inputs = (
+            {"output_router_logits": False}
+            if hasattr(self.model.config, "output_router_logits")
+            else {}
+        )
+        self._version = -1
+        self._healthy = True
+
+    @classmethod
+    def from_pretrained(cls, hf_dir: str | Path, *, max_batch_size: int = 256) -> LocalEngine:
+        """An engine on the Hugging Face checkpoint in `hf_dir` (config.json + safetensors)."""
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        return cls(model, max_batch_size=max_batch_size)
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Copy every tensor of `buckets` in; all of the model's tensors must come."""
+        seen: set[str] = set()
+        self._healthy = False  # until the update is complete
+        with torch.no_grad():
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    self._names.copy(name, tensor)
+                    seen.add(name)
+        missing = sorted(set(self._names.targets) - seen)
+        if missing:
+            raise WeightUpdateError(
+                f"weight update {version}: {len(missing)} tensor(s) never came, e.g. {missing[:3]}"
+            )
+        self._version = version
+        self._healthy = True
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        seed: int = 0,
+        return_routed_experts: bool = False,
+    ) -> list[list[Sample]]:
+        if n < 1:
+            raise ValueError(f"n: expected >= 1, got {n}")
+        for index, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompts[{index}]: empty prompt")
+        if not self._healthy:
+            raise RuntimeError("engine: a weight update did not complete; refusing to generate")
+        flat = [tuple(prompt) for prompt in prompts for _ in range(n)]
+        generator = torch.Generator().manual_seed(seed)
+        samples: list[Sample] = []
+        for start in range(0, len(flat), self.max_batch_size):
+            chunk = flat[start : start + self.max_batch_size]
+            samples += self._generate_batch(chunk, params, generator, return_routed_experts)
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_batch(
+        self,
+        prompts: list[tuple[int, ...]],
+        params: SamplingParams,
+        generator: torch.Generator,
+        return_routed_experts: bool,
+    ) -> list[Sample]:
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        # Left padding lines the last prompt tokens up, so each step appends one column.
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        attention = torch.zeros(batch, width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            tokens[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention[row, width - len(prompt) :] = 1
+        stop_ids = torch.tensor(params.stop_token_ids or (-1,))
+        cache = DynamicCache(config=self.model.config)
+        routing: list[Tensor] = []  # per router call, in call order: [tokens, topk]
+        hooks = []
+        if return_routed_experts:
+            hooks = [r.register_forward_hook(self._record_into(routing)) for r in self._routers]
+        generated, logprobs = [], []
+        finished = torch.zeros(batch, dtype=torch.bool)
+        lengths = torch.full((batch,), params.max_new_tokens)
+        step_input, positions = tokens, (attention.cumsum(1) - 1).clamp(min=0)
+        try:
+            for _ in range(params.max_new_tokens):
+                output = self.model(
+                    input_ids=step_input,
+                    attention_mask=attention,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    **self._extra_inputs,
+                )
+                logits = output.logits[:, -1].float()
+                next_token = self._sample(logits, params, generator)
+                logprobs.append(torch.log_softmax(logits, -1).gather(1, next_token[:, None])[:, 0])
+                generated.append(torch.where(finished, 0, next_token))
+                is_stop = torch.isin(next_token, stop_ids) & ~finished
+                lengths[is_stop] = len(generated)
+                finished |= is_stop
+                if bool(finished.all()):
+                    break
+                step_input = next_token[:, None]
+                positions = positions[:, -1:] + 1
+                attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long)], 1)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return self._samples(prompts, generated, logprobs, lengths, finished, routing)
+
+    @staticmethod
+    def _record_into(routing: list[Tensor]):
+        """A forward hook that keeps a router's chosen experts `[tokens, topk]` (the routers of
+        transformers' MoE blocks return (logits, weights, experts))."""
+
+        def hook(module: torch.nn.Module, inputs: tuple, output: tuple) -> None:
+            routing.append(output[-1].to(torch.int32))
+
+        return hook
+
+    @staticmethod
+    def _sample(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> Tensor:
+        """Next token per row from `[batch, vocab]` logits."""
+        if params.temperature == 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / params.temperature, -1)
+        if params.top_p < 1:
+            sorted_probs, order = probs.sort(-1, descending=True)
+            # Keep a token while the mass before it is below top_p (the first always stays).
+            keep = (sorted_probs.cumsum(-1) - sorted_probs) < params.top_p
+            sorted_probs = torch.where(keep, sorted_probs, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+    def _samples(
+        self,
+        prompts: list[tuple[int, ...]],
+        generated: list[Tensor],
+        logprobs: list[Tensor],
+        lengths: Tensor,
+        stopped: Tensor,
+        routing: list[Tensor],
+    ) -> list[Sample]:
+        tokens = torch.stack(generated, 1)  # [batch, steps]
+        token_logprobs = torch.stack(logprobs, 1)
+        layers = len(self._routers)
+        # Call 0 is the prefill over [batch * width] tokens; call k >= 1 feeds generated token
+        # k - 1 of every row. Each router call's output is [tokens, topk].
+        calls = [torch.stack(routing[c : c + layers], 1) for c in range(0, len(routing), layers)]
+        width = max(len(p) for p in prompts)
+        samples = []
+        for row, prompt in enumerate(prompts):
+            length = int(lengths[row])
+            routed = None
+            if calls:
+                prefill = calls[0].view(len(prompts), width, layers, -1)[row, width - len(prompt) :]
+                decoded = [calls[k][row][None] for k in range(1, length)]
+                routed = torch.cat([prefill, *decoded], 0)
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    response_ids=tuple(tokens[row, :length].tolist()),
+                    logprobs=token_logprobs[row, :length].clone(),
+                    finish_reason="stop" if bool(stopped[row]) else "length",
+                    routed_experts=routed,
+                )
+            )
+        return samples

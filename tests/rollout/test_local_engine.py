@@ -1,0 +1,136 @@
+"""The in-process engine on a tiny random Qwen3-MoE: cached generation equals a full forward,
+seeds, stop tokens, routed experts in SGLang's layout, weight updates by checkpoint name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.local import LocalEngine, WeightUpdateError
+from tests.checkpoint.tiny_hf import save_tiny
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> LocalEngine:
+    return LocalEngine.from_pretrained(save_tiny("qwen3_moe", tmp_path_factory.mktemp("hf")))
+
+
+def _full_forward_logprobs(engine: LocalEngine, sample) -> torch.Tensor:
+    ids = torch.tensor(sample.prompt_ids + sample.response_ids)[None]
+    with torch.no_grad():
+        logp = engine.model(ids).logits.float().log_softmax(-1)[0]
+    start = len(sample.prompt_ids)
+    return logp[start - 1 : -1].gather(1, ids[0, start:, None])[:, 0]
+
+
+def test_cached_batched_generation_matches_a_full_forward(engine):
+    params = SamplingParams(max_new_tokens=10)
+    groups = engine.generate(PROMPTS, params, n=2, seed=3)
+    assert [len(g) for g in groups] == [2, 2, 2]
+    for prompt, group in zip(PROMPTS, groups, strict=True):
+        for sample in group:
+            assert sample.prompt_ids == tuple(prompt)
+            assert len(sample.response_ids) == 10 and sample.finish_reason == "length"
+            # Left-padded, KV-cached, batched log-probs equal one unpadded forward.
+            torch.testing.assert_close(
+                sample.logprobs, _full_forward_logprobs(engine, sample), atol=1e-5, rtol=0
+            )
+
+
+def test_seed_reproduces_and_changes_samples(engine):
+    params = SamplingParams(max_new_tokens=8)
+    first = engine.generate(PROMPTS, params, n=4, seed=11)
+    again = engine.generate(PROMPTS, params, n=4, seed=11)
+    other = engine.generate(PROMPTS, params, n=4, seed=12)
+
+    def ids(groups):
+        return [s.response_ids for g in groups for s in g]
+
+    assert ids(first) == ids(again)
+    assert ids(first) != ids(other)
+
+
+def test_greedy_and_stop_tokens(engine):
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6), n=2)
+    for group in greedy:
+        assert group[0].response_ids == group[1].response_ids
+    stop = greedy[1][0].response_ids[2]
+    params = SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=(stop,))
+    (sample,) = engine.generate([PROMPTS[1]], params)[0]
+    assert sample.finish_reason == "stop"
+    assert sample.response_ids[-1] == stop and stop not in sample.response_ids[:-1]
+
+
+def test_routed_experts_in_sglang_layout(engine):
+    groups = engine.generate(
+        PROMPTS, SamplingParams(max_new_tokens=5), seed=1, return_routed_experts=True
+    )
+    recorded = []
+    hooks = [
+        r.register_forward_hook(lambda m, i, o: recorded.append(o[-1])) for r in engine._routers
+    ]
+    try:
+        for group in groups:
+            sample = group[0]
+            recorded.clear()
+            with torch.no_grad():
+                engine.model(torch.tensor(sample.prompt_ids + sample.response_ids)[None])
+            full = torch.stack(recorded, 1)  # [tokens, layers, topk]
+            assert sample.routed_experts.dtype == torch.int32
+            # One row per token that went through the model: all but the last.
+            torch.testing.assert_close(sample.routed_experts, full[:-1].to(torch.int32))
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_weight_update_by_checkpoint_name(tmp_path):
+    engine = LocalEngine.from_pretrained(save_tiny("qwen3_moe", tmp_path / "a", seed=0))
+    donor = LocalEngine.from_pretrained(save_tiny("qwen3_moe", tmp_path / "b", seed=1))
+    from safetensors.torch import load_file
+
+    tensors = load_file(tmp_path / "b" / "model.safetensors")
+    assert any(".experts.0.gate_proj" in name for name in tensors)  # per-expert names
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    before = engine.generate(PROMPTS, params)
+    engine.update_weights([list(tensors.items())], version=7)
+    assert engine.weight_version == 7
+    for name, param in donor.model.state_dict().items():
+        torch.testing.assert_close(engine.model.state_dict()[name], param, atol=0, rtol=0)
+    after = engine.generate(PROMPTS, params)
+    assert [g[0].response_ids for g in after] == [
+        g[0].response_ids for g in donor.generate(PROMPTS, params)
+    ]
+    assert [g[0].response_ids for g in after] != [g[0].response_ids for g in before]
+
+
+def test_weight_update_errors(tmp_path):
+    engine = LocalEngine.from_pretrained(save_tiny("qwen3_moe", tmp_path / "a"))
+    from safetensors.torch import load_file
+
+    tensors = load_file(tmp_path / "a" / "model.safetensors")
+    with pytest.raises(WeightUpdateError, match="no such tensor"):
+        engine.update_weights([[("model.layers.0.mlp.nonsense.weight", torch.zeros(2))]], 1)
+    name = "model.layers.0.mlp.experts.1.up_proj.weight"
+    with pytest.raises(WeightUpdateError, match=r"shape \[3\], the engine expects"):
+        engine.update_weights([[(name, torch.zeros(3))]], 1)
+    partial = [(n, t) for n, t in tensors.items() if "layers.1." not in n]
+    with pytest.raises(WeightUpdateError, match="never came"):
+        engine.update_weights([partial], 2)
+    assert not engine.healthy()
+    with pytest.raises(RuntimeError, match="did not complete"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+    engine.update_weights([list(tensors.items())], 3)
+    assert engine.healthy() and engine.weight_version == 3
+
+
+def test_bad_requests(engine):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: empty prompt"):
+        engine.generate([[1], []], SamplingParams())
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)

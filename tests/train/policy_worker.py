@@ -1,0 +1,91 @@
+"""Workers for the policy tests (run on gloo ranks by tests.parallel.harness)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.algo import group_advantages
+from megatron_rl.models.policy import OptimizerSettings, Policy
+from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
+from megatron_rl.parallel.schedule import PolicyLossSpec
+from megatron_rl.rewards import ArithmeticTask
+from megatron_rl.rollout.batch import build_rollout_batch, micro_batches
+from megatron_rl.rollout.codec import PromptCodec
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.local import LocalEngine
+
+
+def _engine_logprobs(engine: LocalEngine, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The engine model's log-prob of every next token `[b, S]`, 0 off `mask`."""
+    with torch.no_grad():
+        logp = engine.model(tokens).logits.float().log_softmax(-1)
+    targets = torch.cat([tokens[:, 1:], tokens[:, -1:]], 1)
+    return torch.where(mask, logp.gather(2, targets[..., None])[..., 0], 0.0)
+
+
+def _sync(policy: Policy, engine: LocalEngine | None, version: int) -> None:
+    stream = policy.weight_stream(bucket_bytes=2**20)
+    if engine is not None:
+        engine.update_weights(stream, version)
+    else:
+        for _ in stream:
+            pass
+
+
+def weight_sync(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
+    """Trainer and engine log-probs on one probe batch: equal at the start, apart after an
+    update, equal again after the weight sync."""
+    dims = ParallelDims(world_size=launch.world_size, ep=launch.world_size)
+    init_distributed(dims, launch, seed=5)
+    policy = Policy(hf_dir, dims, OptimizerSettings(lr=1e-3))
+    engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
+    codec = PromptCodec(hf_dir, max_prompt_tokens=64)
+    problems = ArithmeticTask().problems("train", 4, seed=3)
+    samples = None
+    box = [None]
+    if engine is not None:
+        params = SamplingParams(max_new_tokens=32, stop_token_ids=codec.stop_token_ids)
+        groups = engine.generate([codec.encode_prompt(p.prompt) for p in problems], params, n=2)
+        box = [[s for g in groups for s in g]]
+    torch.distributed.broadcast_object_list(box, src=0)
+    samples = box[0]
+    rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
+    batch = build_rollout_batch(
+        samples,
+        group_advantages(rewards, 2).advantages,
+        pad_id=0,
+        newline_token_ids=codec.newline_token_ids,
+    )
+    rows = list(range(batch.num_rows))
+
+    def trainer_logp() -> tuple[torch.Tensor, torch.Tensor]:
+        micro = micro_batches(batch, rows, dp_rank=0, dp_size=1, micro_batch_size=len(rows))
+        policy.old_logprobs(micro, record_routing=False)
+        mask = micro[0].loss_mask
+        return torch.where(mask, micro[0].old_logp, 0.0), mask
+
+    result: dict[str, float] = {}
+    logp, mask = trainer_logp()
+    if engine is not None:
+        result["start"] = float((logp - _engine_logprobs(engine, batch.tokens, mask)).abs().max())
+    share = micro_batches(
+        batch,
+        rows,
+        dp_rank=torch.distributed.get_rank(),
+        dp_size=launch.world_size,
+        micro_batch_size=4,
+    )
+    policy.old_logprobs(share, record_routing=False)
+    update = policy.update(share, PolicyLossSpec("grpo", 0.2, 0.2), replay=False)
+    result["grad_norm"] = update.grad_norm
+    logp, mask = trainer_logp()
+    if engine is not None:
+        stale = _engine_logprobs(engine, batch.tokens, mask)
+        result["before_sync"] = float((logp - stale).abs().max())
+    _sync(policy, engine, version=1)
+    if engine is not None:
+        fresh = _engine_logprobs(engine, batch.tokens, mask)
+        result["after_sync"] = float((logp - fresh).abs().max())
+        result["version"] = engine.weight_version
+    return result

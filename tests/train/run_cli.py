@@ -1,0 +1,120 @@
+"""Run `megatron-rl train` in a subprocess (one process, or 2 ranks under torchrun) and read
+its metrics; every process started here is stopped by its PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.parallel.harness import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL = REPO / "examples" / "moe" / "tiny_qwen3_moe"
+RECIPE = REPO / "examples" / "moe" / "tiny_gspo.yaml"
+
+# A few small steps of the main recipe: 8 prompts x 4 samples, 2 updates per step.
+SHORT_RUN = [
+    f"model.hf_path={TINY_MODEL}",
+    "rollout.prompts_per_step=8",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=40",
+    "algo.updates_per_batch=2",
+    "data.eval_problems=8",
+    "run.steps=2",
+    "run.eval_every=2",
+    "run.micro_batch_size=8",
+    "checkpoint.save_every=0",
+    "checkpoint.export_hf=false",
+    "metrics.console=false",
+]
+
+
+def _command(
+    run_dir: Path, overrides: list[str], nproc: int, resume: bool, module: str = "megatron_rl.cli"
+) -> list[str]:
+    train = ["train", str(RECIPE), *SHORT_RUN, f"run.dir={run_dir}", *overrides]
+    if resume:
+        train.append("--resume")
+    if nproc == 1:
+        return [sys.executable, "-m", module, *train]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        "-m",
+        "megatron_rl.cli",
+        *train,
+    ]
+
+
+def _environment() -> dict[str, str]:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def train_cli(
+    run_dir: Path,
+    overrides: list[str] = (),
+    *,
+    nproc: int = 1,
+    resume: bool = False,
+    timeout: float = 300,
+    module: str = "megatron_rl.cli",
+) -> subprocess.CompletedProcess:
+    """`megatron-rl train` (or `module`'s main, same arguments) on the short run + overrides."""
+    return subprocess.run(
+        _command(run_dir, list(overrides), nproc, resume, module),
+        cwd=REPO,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def train_until_checkpoint(run_dir: Path, overrides: list[str], step: int) -> None:
+    """Start a run, wait until its checkpoint of `step` is complete, then SIGKILL it with its
+    children (megatron-core's checkpoint writer starts helper processes): the run is the
+    leader of its own process group, and the group is killed by its id."""
+    process = subprocess.Popen(
+        _command(run_dir, list(overrides), 1, False),
+        cwd=REPO,
+        env=_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            if latest.is_file() and latest.read_text().strip() == f"step_{step:06d}":
+                return
+            if process.poll() is not None:
+                raise AssertionError(f"the run ended before step {step}: {process.stderr.read()}")
+            time.sleep(0.05)
+        raise AssertionError(f"no checkpoint of step {step} within 300 s")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the whole group had already exited
+            pass
+        process.wait()
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    by_step = {record["step"]: record for record in records}
+    assert len(by_step) == len(records), "a step was logged twice"
+    return by_step

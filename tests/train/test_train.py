@@ -1,0 +1,123 @@
+"""`megatron-rl train` end to end on the shipped tiny model: each loss with and without routing
+replay, 2 ranks with EP=2, exact resume after a kill, non-finite steps, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.train.run_cli import read_metrics, train_cli, train_until_checkpoint
+
+TIMING = ("time/", "throughput/")
+
+
+def _check_run(result, run_dir) -> dict[int, dict[str, float]]:
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    assert sorted(metrics) == [0, 1, 2]
+    for step in (1, 2):
+        record = metrics[step]
+        assert math.isfinite(record["loss/policy"]) and record["steps/skipped"] == 0
+        # Groups with equal rewards carry no gradient; the others do.
+        if record["groups/zero_variance_frac"] == 1:
+            assert record["grad_norm"] == 0
+        else:
+            assert record["grad_norm"] > 0
+        assert 0 <= record["reward/mean"] <= 1
+        assert record["reward/failures"] == 0
+    assert 0 <= metrics[2]["eval/accuracy"] <= 1
+    assert any(metrics[step]["grad_norm"] > 0 for step in (1, 2))
+    return metrics
+
+
+@pytest.mark.parametrize(
+    ("loss", "replay"),
+    [("gspo", "none"), ("gspo_token", "none"), ("sspo", "none"), ("grpo", "r2"), ("grpo", "r3")],
+)
+def test_each_loss_runs_end_to_end(tmp_path, loss, replay):
+    result = train_cli(tmp_path, [f"algo.loss={loss}", f"algo.routing_replay={replay}"])
+    metrics = _check_run(result, tmp_path)
+    for step in (1, 2):
+        # The engine was synced before the step: the trainer's old log-probs equal its own.
+        assert metrics[step]["mismatch/k3"] < 1e-8
+        assert metrics[step]["mismatch/abs_max"] < 1e-3
+    if loss == "sspo":
+        assert metrics[1]["segments/per_seq"] > 1  # one segment per line of working
+    if replay != "none":
+        # The routing the updated weights would choose drifts from the replayed one.
+        assert 0 <= metrics[2]["routing/drift_token_layer"] <= 1
+        assert 0 < metrics[2]["routing/drift_jaccard"] <= 1
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_000002"
+
+
+def test_engine_logprobs_and_export(tmp_path):
+    result = train_cli(tmp_path, ["algo.use_engine_logprobs=true", "checkpoint.export_hf=true"])
+    _check_run(result, tmp_path)
+    export = tmp_path / "export"
+    assert (export / "config.json").is_file() and (export / "tokenizer.json").is_file()
+    (shard,) = export.glob("*.safetensors")
+    tensors = load_file(shard)
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in tensors
+
+
+def test_two_ranks_with_expert_parallelism(tmp_path):
+    result = train_cli(tmp_path, ["parallel.ep=2"], nproc=2)
+    _check_run(result, tmp_path)
+
+
+def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path):
+    steps = ["run.steps=4", "checkpoint.save_every=2", "run.eval_every=2"]
+    whole = tmp_path / "whole"
+    assert train_cli(whole, steps).returncode == 0
+    killed = tmp_path / "killed"
+    train_until_checkpoint(killed, steps, step=2)
+    resumed = train_cli(killed, steps, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, actual = read_metrics(whole), read_metrics(killed)
+    assert sorted(actual) == [0, 1, 2, 3, 4]
+    for step in (3, 4):
+        keys = {k for k in expected[step] if not k.startswith(TIMING)}
+        assert keys == {k for k in actual[step] if not k.startswith(TIMING)}
+        for key in keys:
+            assert actual[step][key] == expected[step][key], (step, key)
+
+
+def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
+    assert train_cli(tmp_path, ["run.steps=1"]).returncode == 0
+    again = train_cli(tmp_path, ["run.steps=1"])
+    assert again.returncode == 2
+    assert "holds checkpoints of an earlier run" in again.stderr and "--resume" in again.stderr
+    assert (tmp_path / "checkpoints" / "step_000001" / "trainer.json").is_file()
+
+
+def test_bad_recipes_fail_before_training(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result = train_cli(
+        tmp_path / "run",
+        [
+            "data.source=jsonl",
+            f"data.train_path={empty}",
+            f"data.eval_path={empty}",
+            "data.verifier=math",
+        ],
+    )
+    assert result.returncode == 2 and f"{empty}: no records" in result.stderr
+    result = train_cli(tmp_path / "run", ["rollout.group_size=1"])
+    assert result.returncode == 2 and "rollout.group_size: expected >= 2" in result.stderr
+    result = train_cli(tmp_path / "run", ["algo.los=grpo"])
+    assert result.returncode == 2 and "did you mean 'loss'" in result.stderr
+
+
+def test_non_finite_steps_are_skipped_then_the_run_aborts(tmp_path):
+    result = train_cli(
+        tmp_path, ["run.steps=5", "run.max_bad_steps=3"], module="tests.train.nan_advantages"
+    )
+    assert result.returncode == 3
+    assert "3 consecutive steps with a non-finite loss" in result.stderr
+    metrics = read_metrics(tmp_path)
+    assert [metrics[step]["steps/skipped"] for step in (1, 2, 3)] == [1.0, 1.0, 1.0]
+    assert sorted(metrics) == [0, 1, 2, 3]  # aborted after the third
