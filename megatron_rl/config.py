@@ -405,6 +405,11 @@ class Recipe:
     """Checkpoints and export."""
 
     def validate(self) -> None:
+        if self.parallel.cp > 1:
+            raise ConfigError(
+                "parallel.cp: the trainer does not split sequences yet (model-level context "
+                "parallelism needs Transformer Engine's attention; docs/parallelism.md)"
+            )
         if self.algo.routing_replay == "r2" and self.algo.use_engine_logprobs:
             raise ConfigError(
                 "algo.routing_replay=r2 records routing in the trainer's old-policy forward, "

@@ -80,7 +80,11 @@ def _train(recipe: Recipe, dims: ParallelDims, *, resume: bool) -> dict[str, flo
         recompute=recipe.model.recompute,
         routing_replay=algo.routing_replay != "none",
     )
-    engine = LocalEngine.from_pretrained(recipe.model.hf_path) if rank0 else None
+    engine = None
+    if rank0:
+        engine = LocalEngine.from_pretrained(
+            recipe.model.hf_path, max_batch_size=rollout.max_batch_size
+        )
     params = SamplingParams(
         temperature=rollout.temperature,
         top_p=rollout.top_p,

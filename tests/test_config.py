@@ -61,3 +61,35 @@ def test_bad_recipe_files(tmp_path):
         load_config(Recipe, _recipe(tmp_path, "- 1\n- 2\n"))
     with pytest.raises(ConfigError, match="algo: expected a mapping of AlgoConfig fields"):
         load_config(Recipe, _recipe(tmp_path, "algo: gspo\n"))
+
+
+def test_every_shipped_recipe_loads_and_validates():
+    from pathlib import Path
+
+    recipes = sorted((Path(__file__).resolve().parents[1] / "examples" / "moe").glob("*.yaml"))
+    assert len(recipes) >= 4
+    for path in recipes:
+        recipe = load_config(Recipe, path)
+        assert Path(recipe.model.hf_path).name == "tiny_qwen3_moe", path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.group_size=1"], r"rollout\.group_size: expected >= 2"),
+        (["rollout.top_p=0"], r"rollout\.top_p: expected a value in \(0, 1\]"),
+        (["data.verifier=nope"], r"data\.verifier: unknown verifier 'nope'; valid: arithmetic"),
+        (["data.source=jsonl"], r"data\.train_path and data\.eval_path: required"),
+        (["run.steps=0"], r"run\.steps: expected > 0"),
+        (["optim.lr=0"], r"optim\.lr: expected > 0"),
+        (["metrics.wandb=maybe"], r"metrics\.wandb: expected one of 'auto'"),
+        (["model.dispatcher=flex"], r"model\.dispatcher: expected one of 'alltoall'"),
+        (
+            ["algo.routing_replay=r2", "algo.use_engine_logprobs=true"],
+            r"algo\.routing_replay=r2 records routing in the trainer's old-policy forward",
+        ),
+    ],
+)
+def test_trainer_sections_are_validated(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(Recipe, None, overrides)

@@ -1,21 +1,28 @@
 """Make the tiny base model of the CPU recipes: a Qwen3-MoE-shaped model warm-started by
-supervised training on the built-in arithmetic task, stopped while it is still often wrong.
+supervised training on worked solutions of the built-in arithmetic task from a sloppy teacher.
 
     python examples/moe/make_tiny_model.py --out examples/moe/tiny_qwen3_moe
 
 Steps: build a character-level tokenizer over the task's alphabet; initialise a 4-layer,
 8-expert, top-2 Qwen3-MoE at random (seeded); train it on (prompt, worked solution) pairs of
-the task's train split, with the loss on the solution only; every `--eval-every` steps measure
-greedy accuracy on a validation draw of the held-out split; stop at the first evaluation that
-reaches `--target-accuracy` (so RL has room above it). Deterministic on one machine for a
-given seed and thread count. Writes into a temporary directory, renamed when complete.
+the task's train split, with the loss on the solution only.
+
+The teacher is sloppy in one systematic way: in a step that carries (an addition whose units
+add up to 10 or more) or borrows (a subtraction whose units digit is smaller), it forgets the
+tens digit's correction with probability `--slip-prob` and carries on from its wrong total.
+A model that imitates it well learns the arithmetic *and* the slip, so its greedy answers are
+wrong on most problems with a carry or a borrow: that is the room RL has (the verifier rewards
+only right answers). Greedy accuracy on a validation draw of the held-out split is printed
+every `--eval-every` steps. Deterministic on one machine for a given seed and thread count.
+Writes into a temporary directory, renamed when complete.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import random
+import re
 import shutil
 import tempfile
 import time
@@ -75,6 +82,36 @@ def model_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3MoeConfig:
     )
 
 
+def sloppy_solution(prompt: str, slip_prob: float, rng: random.Random) -> str:
+    """The teacher's worked solution of `prompt`: right except for forgotten carries and
+    borrows (each with probability `slip_prob`, when the running total stays >= 0)."""
+    numbers = [int(n) for n in re.findall(r"\d+", prompt)]
+    operators = re.findall(r"[+-]", prompt)
+    total, lines = numbers[0], []
+    for index, (operator, operand) in enumerate(zip(operators, numbers[1:], strict=True)):
+        if operator == "+":
+            result = total + operand
+            slipped = result - 10 if total % 10 + operand % 10 >= 10 else result
+        else:
+            result = total - operand
+            slipped = result + 10 if total % 10 < operand % 10 else result
+        if slipped != result and rng.random() < slip_prob:
+            rest = list(zip(operators[index + 1 :], numbers[index + 2 :], strict=True))
+            if _stays_non_negative(slipped, rest):
+                result = slipped
+        lines.append(f"{total}{operator}{operand}={result}\n")
+        total = result
+    return "".join(lines) + f"#### {total}\n"
+
+
+def _stays_non_negative(total: int, rest: list[tuple[str, int]]) -> bool:
+    for operator, operand in rest:
+        total = total + operand if operator == "+" else total - operand
+        if total < 0:
+            return False
+    return True
+
+
 def training_batch(
     tokenizer: PreTrainedTokenizerFast, prompts: list[str], solutions: list[str]
 ) -> dict[str, torch.Tensor]:
@@ -82,7 +119,8 @@ def training_batch(
     rows, labels = [], []
     for prompt, solution in zip(prompts, solutions, strict=True):
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        answer_ids = tokenizer.encode(solution, add_special_tokens=False) + [tokenizer.eos_token_id]
+        solution_ids = tokenizer.encode(solution, add_special_tokens=False)
+        answer_ids = [*solution_ids, tokenizer.eos_token_id]
         rows.append(prompt_ids + answer_ids)
         labels.append([-100] * len(prompt_ids) + answer_ids)
     width = max(map(len, rows))
@@ -102,10 +140,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--max-steps", type=int, default=3000)
-    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--slip-prob", type=float, default=0.6)
+    parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--eval-problems", type=int, default=200)
-    parser.add_argument("--target-accuracy", type=float, default=0.35)
     args = parser.parse_args()
     if args.out.exists():
         raise SystemExit(f"--out {args.out}: already exists; remove it or choose another path")
@@ -117,7 +155,9 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = 50
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    train = task.problems("train", args.batch_size * args.max_steps, seed=args.seed)
+    train = task.problems("train", args.batch_size * args.steps, seed=args.seed)
+    teacher = random.Random(args.seed)
+    solutions = [sloppy_solution(p.prompt, args.slip_prob, teacher) for p in train]
     validation = task.problems("eval", args.eval_problems, seed=args.seed + 1)
     verifier = get_verifier("arithmetic")
 
@@ -125,11 +165,11 @@ def main() -> None:
     tokenizer.save_pretrained(staging)
     codec = PromptCodec(staging, max_prompt_tokens=128 - MAX_NEW_TOKENS)
     engine = LocalEngine(model)
-    started, accuracy, step = time.time(), 0.0, 0
+    started, accuracy = time.time(), 0.0
     history = []
-    for step in range(1, args.max_steps + 1):
-        chunk = train[(step - 1) * args.batch_size : step * args.batch_size]
-        batch = training_batch(tokenizer, [p.prompt for p in chunk], [p.solution for p in chunk])
+    for step in range(1, args.steps + 1):
+        rows = slice((step - 1) * args.batch_size, step * args.batch_size)
+        batch = training_batch(tokenizer, [p.prompt for p in train[rows]], solutions[rows])
         model.train()
         loss = model(**batch).loss
         optimizer.zero_grad()
@@ -143,8 +183,6 @@ def main() -> None:
             )
             history.append({"step": step, "loss": round(loss.item(), 4), "accuracy": accuracy})
             print(f"step {step}  loss {loss.item():.4f}  validation accuracy {accuracy:.3f}")
-            if accuracy >= args.target_accuracy or not math.isfinite(loss.item()):
-                break
     model.config.output_router_logits = False
     model.save_pretrained(staging)
     (staging / "training.json").write_text(
@@ -153,7 +191,7 @@ def main() -> None:
                 "command": "python examples/moe/make_tiny_model.py "
                 + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
                 "task": vars(task) if hasattr(task, "__dict__") else str(task),
-                "steps": step,
+                "steps": args.steps,
                 "seconds": round(time.time() - started, 1),
                 "validation_accuracy": accuracy,
                 "history": history,
@@ -164,7 +202,7 @@ def main() -> None:
         + "\n"
     )
     shutil.move(staging, args.out)
-    print(f"wrote {args.out} after {step} steps; validation accuracy {accuracy:.3f}")
+    print(f"wrote {args.out}; validation accuracy {accuracy:.3f}")
 
 
 if __name__ == "__main__":

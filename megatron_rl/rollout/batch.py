@@ -118,8 +118,8 @@ def micro_batches(
     of it), padded with empty rows to the same count on every rank."""
     share = list(rows[dp_rank::dp_size])
     per_rank = math.ceil(len(rows) / dp_size)
-    size = min(micro_batch_size, per_rank)
-    count = math.ceil(per_rank / size)
+    count = math.ceil(per_rank / micro_batch_size)
+    size = math.ceil(per_rank / count)  # as few empty rows as the count allows
     share += [-1] * (count * size - len(share))
     result = []
     for start in range(0, len(share), size):

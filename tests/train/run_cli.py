@@ -3,6 +3,7 @@ its metrics; every process started here is stopped by its PID."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -105,10 +106,8 @@ def train_until_checkpoint(run_dir: Path, overrides: list[str], step: int) -> No
             time.sleep(0.05)
         raise AssertionError(f"no checkpoint of step {step} within 300 s")
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the group had already exited
             os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:  # the whole group had already exited
-            pass
         process.wait()
 
 

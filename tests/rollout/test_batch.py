@@ -1,0 +1,94 @@
+"""Samples -> padded rollout batches -> equal-shaped micro-batches per data-parallel rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.rollout.batch import (
+    EngineRouting,
+    build_rollout_batch,
+    micro_batches,
+    minibatch_rows,
+)
+from megatron_rl.rollout.engine import Sample
+
+NEWLINE = 9
+
+
+def _sample(prompt, response, routed=False):
+    total = len(prompt) + len(response)
+    return Sample(
+        prompt_ids=tuple(prompt),
+        response_ids=tuple(response),
+        logprobs=-torch.arange(1, len(response) + 1, dtype=torch.float32),
+        finish_reason="stop",
+        routed_experts=torch.arange((total - 1) * 2 * 2, dtype=torch.int32).view(-1, 2, 2) % 4
+        if routed
+        else None,
+    )
+
+
+def test_positions_predict_the_response_tokens():
+    samples = [_sample([1, 2, 3], [4, NEWLINE, 5]), _sample([6], [7, 8])]
+    batch = build_rollout_batch(
+        samples, torch.tensor([1.0, -1.0]), pad_id=0, newline_token_ids=[NEWLINE]
+    )
+    assert batch.tokens.tolist() == [[1, 2, 3, 4, NEWLINE, 5], [6, 7, 8, 0, 0, 0]]
+    # Position t predicts token t + 1: the response starts being predicted at prompt - 1.
+    assert batch.loss_mask.tolist() == [
+        [False, False, True, True, True, False],
+        [True, True, False, False, False, False],
+    ]
+    assert batch.engine_logp[0, 2:5].tolist() == [-1.0, -2.0, -3.0]
+    assert batch.engine_logp[1, :2].tolist() == [-1.0, -2.0]
+    # "4\n" is the first segment, "5" the second.
+    assert batch.segment_ids[0].tolist() == [-1, -1, 0, 0, 1, -1]
+
+
+def test_an_empty_response_is_a_row_without_loss_tokens():
+    samples = [_sample([1, 2], []), _sample([1, 2], [3])]
+    batch = build_rollout_batch(samples, torch.zeros(2), pad_id=0, newline_token_ids=[NEWLINE])
+    assert not batch.loss_mask[0].any() and batch.loss_mask[1].sum() == 1
+
+
+def test_micro_batches_have_one_shape_and_equal_counts_on_every_rank():
+    samples = [_sample([1, 2], [3] * (i % 4 + 1)) for i in range(7)]
+    batch = build_rollout_batch(
+        samples, torch.arange(7, dtype=torch.float32), pad_id=0, newline_token_ids=[NEWLINE]
+    )
+    rows = list(range(7))
+    per_rank = [
+        micro_batches(batch, rows, dp_rank=rank, dp_size=2, micro_batch_size=3) for rank in range(2)
+    ]
+    assert [len(m) for m in per_rank] == [2, 2]
+    shapes = {tuple(mb.tokens.shape) for ranks in per_rank for mb in ranks}
+    assert shapes == {(2, batch.tokens.shape[1])}
+    # Rank 0 takes rows 0, 2, 4, 6 and rank 1 rows 1, 3, 5 plus one empty row.
+    advantages = [mb.advantages.tolist() for mb in per_rank[1]]
+    assert advantages == [[1.0, 3.0], [5.0, 0.0]]
+    empty = per_rank[1][1]
+    assert not empty.loss_mask[1].any() and (empty.segment_ids[1] == -1).all()
+    every = sorted(float(a) for ranks in per_rank for mb in ranks for a in mb.advantages)
+    assert every == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+def test_minibatches_cover_every_row_once_and_depend_on_the_seed():
+    chunks = minibatch_rows(10, 4, seed=3)
+    assert sorted(r for chunk in chunks for r in chunk) == list(range(10))
+    assert [len(c) for c in chunks] == [3, 3, 2, 2]
+    assert minibatch_rows(10, 4, seed=3) == chunks != minibatch_rows(10, 4, seed=4)
+    with pytest.raises(ValueError, match="updates_per_batch"):
+        minibatch_rows(3, 4, seed=0)
+
+
+def test_engine_routing_lands_in_router_order():
+    samples = [_sample([1, 2, 3], [4, 5], routed=True), _sample([6], [7], routed=True)]
+    batch = build_rollout_batch(samples, torch.ones(2), pad_id=0, newline_token_ids=[NEWLINE])
+    routing = EngineRouting(num_layers=2, topk=2, layers=range(2))
+    (micro,) = micro_batches(
+        batch, [0, 1], dp_rank=0, dp_size=1, micro_batch_size=2, engine_routing=routing
+    )
+    layer0 = micro.routing[0].view(batch.tokens.shape[1], 2, 2)  # [position, row, topk]
+    torch.testing.assert_close(layer0[:4, 0], samples[0].routed_experts[:, 0].long())
+    torch.testing.assert_close(layer0[:1, 1], samples[1].routed_experts[:, 0].long())
