@@ -66,7 +66,7 @@ def train(recipe: Recipe, *, resume: bool = False) -> dict[str, float]:
 
 
 def _train(recipe: Recipe, dims: ParallelDims, *, resume: bool) -> dict[str, float]:
-    run, rollout, algo = recipe.run, recipe.rollout, recipe.algo
+    run, rollout = recipe.run, recipe.rollout
     run_dir, rank0 = Path(run.dir), dist.get_rank() == 0
     codec = PromptCodec(recipe.model.hf_path, max_prompt_tokens=_max_prompt_tokens(recipe))
     problems = _problem_source(recipe)
@@ -78,7 +78,6 @@ def _train(recipe: Recipe, dims: ParallelDims, *, resume: bool) -> dict[str, flo
         _optimizer_settings(recipe),
         dispatcher=recipe.model.dispatcher,
         recompute=recipe.model.recompute,
-        routing_replay=algo.routing_replay != "none",
     )
     engine = None
     if rank0:
@@ -305,7 +304,10 @@ def _learn(
         needs_forward = not algo.use_engine_logprobs or spec.name == "sspo"
         if needs_forward:
             engine_logp = [micro.old_logp for micro in every_micro_batch]
-            policy.old_logprobs(every_micro_batch, record_routing=algo.routing_replay == "r2")
+            # R3 replays the engine's routing; otherwise the old routing is recorded (R2 replays
+            # it, and it is what the drift metrics compare the updated routers with).
+            routing = "replay" if algo.routing_replay == "r3" else "record"
+            policy.old_logprobs(every_micro_batch, routing=routing)
             metrics |= _old_policy_metrics(every_micro_batch, engine_logp)
             if algo.use_engine_logprobs:
                 for micro, logp in zip(every_micro_batch, engine_logp, strict=True):

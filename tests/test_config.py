@@ -93,3 +93,14 @@ def test_every_shipped_recipe_loads_and_validates():
 def test_trainer_sections_are_validated(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(Recipe, None, overrides)
+
+
+def test_every_recipe_key_is_documented():
+    import dataclasses
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    recipe = Recipe()
+    for section in dataclasses.fields(Recipe):
+        for item in dataclasses.fields(getattr(recipe, section.name)):
+            assert f"`{section.name}.{item.name}`" in guide, f"{section.name}.{item.name}"

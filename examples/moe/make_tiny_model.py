@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--slip-prob", type=float, default=0.6)
+    parser.add_argument("--slip-prob", type=float, default=0.8)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--eval-problems", type=int, default=200)
     args = parser.parse_args()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -52,8 +53,15 @@ class UpdateResult:
     metrics: dict[str, float]
 
 
+RoutingMode = Literal["free", "record", "replay"]
+
+
 class Policy:
-    """This rank's share of the policy (its pipeline stage, TP and EP shards)."""
+    """This rank's share of the policy (its pipeline stage, TP and EP shards).
+
+    `routing_replay` builds the routers with megatron-core's RouterReplay, which recording,
+    replaying and the drift metrics need; without replay actions they route freely.
+    """
 
     def __init__(
         self,
@@ -63,7 +71,7 @@ class Policy:
         *,
         dispatcher: Dispatcher = "alltoall",
         recompute: bool = False,
-        routing_replay: bool = False,
+        routing_replay: bool = True,
     ) -> None:
         source = inspect_hf(Path(hf_dir))
         self.family, self.config = source.family, source.config
@@ -103,27 +111,41 @@ class Policy:
             wd_incr_style="constant",
         )
 
-    def old_logprobs(self, micro_batches: list[PolicyMicroBatch], *, record_routing: bool) -> None:
+    def old_logprobs(
+        self, micro_batches: list[PolicyMicroBatch], *, routing: RoutingMode = "free"
+    ) -> None:
         """Fill each micro-batch's `old_logp` and `old_entropy` with a forward of the current
-        weights; with `record_routing` (R2) also its `routing`."""
+        weights. `routing`: "free" lets the routers choose; "record" also stores their choice in
+        each micro-batch's `routing` (R2, and drift metrics); "replay" forces the `routing` the
+        micro-batches carry (R3: the engine's)."""
+        if routing not in ("free", "record", "replay"):
+            raise ValueError(f"routing: expected 'free', 'record' or 'replay', got {routing!r}")
+        if routing != "free" and self.replay is None:
+            raise ValueError(f"routing={routing!r}: build the Policy with routing_replay=True")
         policy_logprobs(
             self.model,
             micro_batches,
-            replay=self.replay if record_routing else None,
-            record_routing=record_routing,
+            replay=None if routing == "free" else self.replay,
+            record_routing=routing == "record",
         )
 
     def update(
         self, micro_batches: list[PolicyMicroBatch], spec: PolicyLossSpec, *, replay: bool
     ) -> UpdateResult:
-        """One optimizer step on the minibatch made of `micro_batches` (all DP ranks together).
+        """One optimizer step on the minibatch made of `micro_batches` (all DP ranks together),
+        replaying their `routing` when `replay`. When they carry routing (recorded or replayed)
+        the metrics include how far the routers' free choice has drifted from it.
 
         A non-finite loss or gradient norm skips the step (gradients are dropped) and says so.
         """
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if replay and self.replay is None:
+            raise ValueError("replay: build the Policy with routing_replay=True")
         replaying = self.replay if replay else None
-        watch = replaying.observe_free_routing() if replaying is not None else None
+        watch = None
+        if self.replay is not None and micro_batches[-1].routing is not None:
+            watch = self.replay.observe_free_routing()
         result = policy_forward_backward(self.model, micro_batches, spec, replay=replaying)
         drift = {} if watch is None else _replay_drift(micro_batches[-1], watch())
         # The optimizer reads `main_grad` only after prepare_grads; norm first, so that a

@@ -61,7 +61,7 @@ def weight_sync(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
 
     def trainer_logp() -> tuple[torch.Tensor, torch.Tensor]:
         micro = micro_batches(batch, rows, dp_rank=0, dp_size=1, micro_batch_size=len(rows))
-        policy.old_logprobs(micro, record_routing=False)
+        policy.old_logprobs(micro)
         mask = micro[0].loss_mask
         return torch.where(mask, micro[0].old_logp, 0.0), mask
 
@@ -76,7 +76,7 @@ def weight_sync(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
         dp_size=launch.world_size,
         micro_batch_size=4,
     )
-    policy.old_logprobs(share, record_routing=False)
+    policy.old_logprobs(share)
     update = policy.update(share, PolicyLossSpec("grpo", 0.2, 0.2), replay=False)
     result["grad_norm"] = update.grad_norm
     logp, mask = trainer_logp()
