@@ -24,6 +24,7 @@ from megatron_rl.checkpoint.train_state import latest_checkpoint, load_checkpoin
 from megatron_rl.config import Recipe
 from megatron_rl.metrics import ConsoleSink, JsonlSink, MetricsLogger, MetricsSink, WandbSink
 from megatron_rl.models.policy import OptimizerSettings, Policy
+from megatron_rl.moe.drift import routing_bytes
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, shutdown_distributed
 from megatron_rl.parallel.schedule import PolicyLossSpec
@@ -309,6 +310,8 @@ def _learn(
             routing = "replay" if algo.routing_replay == "r3" else "record"
             policy.old_logprobs(every_micro_batch, routing=routing)
             metrics |= _old_policy_metrics(every_micro_batch, engine_logp)
+            records = [layer for micro in every_micro_batch for layer in micro.routing or []]
+            metrics["routing/record_bytes"] = float(routing_bytes(records))
             if algo.use_engine_logprobs:
                 for micro, logp in zip(every_micro_batch, engine_logp, strict=True):
                     micro.old_logp = logp

@@ -180,11 +180,7 @@ def _replay_drift(micro_batch: PolicyMicroBatch, free: list[Tensor]) -> dict[str
     # Routers see tokens sequence-major: position, then row.
     mask = micro_batch.loss_mask.transpose(0, 1).reshape(-1)
     drift = routing_drift(replayed, chosen, mask if mask.numel() == len(replayed) else None)
-    return {
-        f"routing/{key.replace('/', '_')}": float(value)
-        for key, value in drift.items()
-        if "layer/" not in key
-    }
+    return {f"routing/{key.replace('/', '_')}": float(value) for key, value in drift.items()}
 
 
 def _last_stage_value(value: float) -> float:

@@ -55,10 +55,10 @@ def _command(
     ]
 
 
-def _environment() -> dict[str, str]:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
+def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1") | (extra or {})
+    for name in ("RANK", "WORLD_SIZE", "WANDB_API_KEY"):
+        env.pop(name, None)
     return env
 
 
@@ -70,12 +70,13 @@ def train_cli(
     resume: bool = False,
     timeout: float = 300,
     module: str = "megatron_rl.cli",
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """`megatron-rl train` (or `module`'s main, same arguments) on the short run + overrides."""
     return subprocess.run(
         _command(run_dir, list(overrides), nproc, resume, module),
         cwd=REPO,
-        env=_environment(),
+        env=_environment(extra_env),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -48,13 +48,26 @@ def test_each_loss_runs_end_to_end(tmp_path, loss, replay):
     # The routing the updated weights would choose, against the old (or replayed) one.
     assert 0 <= metrics[2]["routing/drift_token_layer"] <= metrics[2]["routing/drift_token_any"]
     assert 0 < metrics[2]["routing/drift_jaccard"] <= 1
+    per_layer = [metrics[2][f"routing/drift_layer_{layer}"] for layer in range(4)]
+    assert max(per_layer) <= metrics[2]["routing/drift_token_any"]
+    # 4 layers x top-2 int64 indices per token of the step's micro-batches.
+    assert metrics[2]["routing/record_bytes"] > 0
+    assert metrics[2]["routing/record_bytes"] % (4 * 2 * 8) == 0
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step_000002"
 
 
-def test_engine_logprobs_and_export(tmp_path):
-    result = train_cli(tmp_path, ["algo.use_engine_logprobs=true", "checkpoint.export_hf=true"])
+def test_engine_logprobs_export_and_wandb(tmp_path):
+    # wandb offline, its files kept inside the test's directory
+    wandb_env = {f"WANDB_{name}_DIR": str(tmp_path / "wandb-home") for name in ("CONFIG", "CACHE")}
+    result = train_cli(
+        tmp_path,
+        ["algo.use_engine_logprobs=true", "checkpoint.export_hf=true", "metrics.wandb=offline"],
+        extra_env=wandb_env | {"WANDB_SILENT": "true"},
+    )
     _check_run(result, tmp_path)
+    (wandb_run,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert list(wandb_run.glob("run-*.wandb"))
     export = tmp_path / "export"
     assert (export / "config.json").is_file() and (export / "tokenizer.json").is_file()
     (shard,) = export.glob("*.safetensors")
