@@ -3,9 +3,11 @@
 A step is what GRPO + R2 does per batch: the old-policy forward over all micro-batches (with R2 it
 records the routing), then forward + backward of the policy loss (with R2 replaying it). Each
 (model, mode) runs in a fresh process; which mode runs first alternates over rounds, so that the
-shared machine's drift hits both. Reported: median step time, and peak resident memory during
-the timed steps above the resident size before them, next to the bytes the recorded routing holds
-(layers x tokens x topk x 8 bytes, for all micro-batches of the step).
+shared machine's drift hits both. Reported: median step time; the peak of the bytes torch
+allocates during one (profiled, untimed) step, counted allocation by allocation, whose difference
+between the modes is the memory replay costs, next to the bytes the recorded routing holds
+(layers x tokens x topk x 8 bytes, for all micro-batches of the step); and, for reference, peak
+resident memory during the timed steps above the resident size before them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.bench.report import machine, now, reset_peak, resident_kib
+from megatron_rl.bench.report import allocation_peak, machine, now, reset_peak, resident_kib
 from megatron_rl.bench.report import write_report as report_files
 from megatron_rl.models.config import MoEModelConfig
 
@@ -86,19 +88,33 @@ def run_mode(layers: int, mode: str, spec: ReplayBenchSpec) -> dict[str, float]:
     loss = PolicyLossSpec("grpo", 0.2, 0.27)
     held = 0
 
-    def step() -> None:
-        nonlocal held
+    def clear() -> None:
         for batch in batches:
             batch.routing = None
+
+    def old_pass() -> None:
+        nonlocal held
         policy_forward_backward(
             ddp, batches, loss, forward_only=True, replay=replay, record_routing=True
         )
         if replay is not None:
             held = routing_bytes([t for b in batches for t in b.routing])
+
+    def train_pass() -> None:
         ddp.zero_grad_buffer()
         policy_forward_backward(ddp, batches, loss, replay=replay)
 
+    def step() -> None:
+        clear()
+        old_pass()
+        train_pass()
+
     step()
+    # Counted allocation by allocation: what the old pass leaves allocated (R2: its routing
+    # record), and the step's peak, which is the old pass's or the training pass's on top of it.
+    clear()
+    old_peak, kept = allocation_peak(old_pass)
+    train_peak, _ = allocation_peak(train_pass)
     baseline = resident_kib("VmRSS")
     reset_peak()
     seconds = []
@@ -109,6 +125,8 @@ def run_mode(layers: int, mode: str, spec: ReplayBenchSpec) -> dict[str, float]:
     return {
         "seconds_median": statistics.median(seconds),
         "peak_extra_kib": resident_kib("VmHWM") - baseline,
+        "allocated_peak_bytes": max(old_peak, kept + train_peak),
+        "kept_after_old_pass_bytes": kept,
         "routing_bytes": held,
     }
 
@@ -150,6 +168,12 @@ def run_benchmark(spec: ReplayBenchSpec) -> dict[str, object]:
             "time_overhead": r2_time / base_time - 1,
             "peak_extra_kib_none": statistics.median(r["peak_extra_kib"] for r in base),
             "peak_extra_kib_r2": statistics.median(r["peak_extra_kib"] for r in r2),
+            "allocated_peak_bytes_none": base[0]["allocated_peak_bytes"],
+            "allocated_peak_bytes_r2": r2[0]["allocated_peak_bytes"],
+            "allocated_overhead_bytes": r2[0]["allocated_peak_bytes"]
+            - base[0]["allocated_peak_bytes"],
+            "kept_overhead_bytes": r2[0]["kept_after_old_pass_bytes"]
+            - base[0]["kept_after_old_pass_bytes"],
             "routing_bytes": r2[0]["routing_bytes"],
         }
     return {
@@ -169,15 +193,19 @@ def format_markdown(report: dict) -> str:
         f"x {spec['rounds']} rounds; {report['machine']['cpu']}, {report['machine']['cores']} "
         f"cores, {report['date']}.",
         "",
-        "| layers | step, no replay (s) | step, R2 (s) | time overhead | peak above start, "
-        "no replay (MiB) | peak above start, R2 (MiB) | recorded routing (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| layers | step, no replay (s) | step, R2 (s) | time overhead | held from old pass to "
+        "update, R2 - none (MiB) | recorded routing (MiB) | peak allocated, no replay / R2 (MiB) "
+        "| peak RSS above start, no replay / R2 (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    mib = 2**20
     for layers, row in report["summary"].items():
         lines.append(
             f"| {layers} | {row['seconds_none']:.3f} | {row['seconds_r2']:.3f} | "
-            f"{100 * row['time_overhead']:+.1f}% | {row['peak_extra_kib_none'] / 1024:.1f} | "
-            f"{row['peak_extra_kib_r2'] / 1024:.1f} | {row['routing_bytes'] / 2**20:.2f} |"
+            f"{100 * row['time_overhead']:+.1f}% | {row['kept_overhead_bytes'] / mib:.4f} | "
+            f"{row['routing_bytes'] / mib:.4f} | {row['allocated_peak_bytes_none'] / mib:.2f} / "
+            f"{row['allocated_peak_bytes_r2'] / mib:.2f} | "
+            f"{row['peak_extra_kib_none'] / 1024:.1f} / {row['peak_extra_kib_r2'] / 1024:.1f} |"
         )
     return "\n".join(lines)
 

@@ -30,6 +30,21 @@ def reset_peak() -> None:
         clear_refs.write("5")
 
 
+def allocation_peak(run: Callable[[], object]) -> tuple[int, int]:
+    """Bytes allocated by torch during `run()`, counted allocation by allocation (the profiler's
+    memory events; deterministic, unlike resident memory): (peak above the start, net at end)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak, current
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as cpuinfo:

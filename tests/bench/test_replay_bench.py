@@ -17,3 +17,23 @@ def test_bench_replay_runs_and_reports(tmp_path):
     assert row["routing_bytes"] == 2 * (2 * 2 * 16) * 2 * 8
     json_path, md_path = replay_bench.write_report(report, tmp_path)
     assert json_path.is_file() and "| 2 |" in md_path.read_text()
+    # Counted allocation by allocation: replay holds at most the recorded indices (the last
+    # micro-batch's indices are held by the model in both modes), and nothing more.
+    assert 0 < row["kept_overhead_bytes"] <= row["routing_bytes"]
+    assert 0 <= row["allocated_overhead_bytes"] <= row["routing_bytes"]
+
+
+def test_allocation_peak_counts_torch_allocations():
+    import torch
+
+    from megatron_rl.bench.report import allocation_peak
+
+    def run():
+        first = torch.ones(1024, 1024)  # 4 MiB
+        second = first * 2  # 4 MiB more, then the first is freed
+        del first
+        return second, torch.ones(256, 1024)  # 1 MiB
+
+    peak, net = allocation_peak(run)
+    assert peak >= 8 * 2**20 and peak < 8 * 2**20 + 4096
+    assert net < 0.01 * 2**20  # everything run() returned was freed when it returned
