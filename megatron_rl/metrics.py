@@ -16,7 +16,9 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Literal, Protocol
@@ -245,3 +247,29 @@ class MetricsLogger:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class StepTimer:
+    """Where one step's time goes: seconds per named phase (`time/<phase>_s`), the whole step
+    (`time/step_s`) and the throughput of trained tokens, from its creation on."""
+
+    def __init__(self) -> None:
+        self._started = time.perf_counter()
+        self._seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Adds the seconds spent in the block to phase `name`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self, tokens: int) -> dict[str, float]:
+        """The phases so far, the step's total and `tokens` trained per second of it."""
+        seconds = time.perf_counter() - self._started
+        return {f"time/{name}_s": value for name, value in self._seconds.items()} | {
+            "time/step_s": seconds,
+            "throughput/response_tokens_per_s": tokens / seconds,
+        }

@@ -7,8 +7,9 @@ import sys
 
 import torch
 
-from megatron_rl import cli, train
+from megatron_rl import cli
 from megatron_rl.algo import GroupAdvantages, group_advantages
+from megatron_rl.rollout import step
 
 
 def _nan_advantages(rewards: torch.Tensor, group_size: int, **kwargs) -> GroupAdvantages:
@@ -18,5 +19,5 @@ def _nan_advantages(rewards: torch.Tensor, group_size: int, **kwargs) -> GroupAd
 
 
 if __name__ == "__main__":
-    train.group_advantages = _nan_advantages
+    step.group_advantages = _nan_advantages
     sys.exit(cli.main(sys.argv[1:]))
