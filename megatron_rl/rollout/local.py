@@ -13,7 +13,7 @@ conversion, applied once to tensors that hold each parameter element's flat inde
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -187,7 +187,7 @@ class LocalEngine:
         return self._samples(prompts, generated, logprobs, lengths, finished, routing)
 
     @staticmethod
-    def _record_into(routing: list[Tensor]):
+    def _record_into(routing: list[Tensor]) -> Callable[..., None]:
         """A forward hook that keeps a router's chosen experts `[tokens, topk]` (the routers of
         transformers' MoE blocks return (logits, weights, experts))."""
 
