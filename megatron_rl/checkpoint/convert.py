@@ -149,18 +149,24 @@ def hf_to_mcore(
         dist.barrier()
         dist_checkpointing.save(model.sharded_state_dict(), str(staging / "weights"))
         if dist.get_rank() == 0:
-            (staging / "hf").mkdir()
-            shutil.copy2(source.checkpoint.directory / "config.json", staging / "hf")
-            copy_assets(source.checkpoint.asset_files(), staging / "hf")
-            metadata = {
-                "format": FORMAT_VERSION,
-                "architecture": family.architecture,
-                "model": asdict(config),
-            }
-            (staging / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+            write_metadata(staging, family, config, source.checkpoint.directory)
         failed = False
     finally:
         _finish(staging, out, failed)
+
+
+def write_metadata(ckpt: Path, family: ModelFamily, config: MoEModelConfig, hf_dir: Path) -> None:
+    """What makes `ckpt` (with its model in `weights/`) a megatron-rl checkpoint: METADATA and
+    `hf/` (config.json and tokenizer files of the Hugging Face checkpoint `hf_dir`)."""
+    (ckpt / "hf").mkdir()
+    shutil.copy2(hf_dir / "config.json", ckpt / "hf")
+    copy_assets([hf_dir / name for name in ASSET_FILES if (hf_dir / name).is_file()], ckpt / "hf")
+    metadata = {
+        "format": FORMAT_VERSION,
+        "architecture": family.architecture,
+        "model": asdict(config),
+    }
+    (ckpt / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
 
 
 def read_metadata(ckpt: Path) -> tuple[ModelFamily, MoEModelConfig]:
@@ -199,9 +205,10 @@ def mcore_to_hf(
     tokenizer files) from a megatron-rl checkpoint; rank 0 writes, every rank streams."""
     family, config = read_metadata(ckpt)
     model = build_gpt_moe(config, dims, initialize=False)
-    model.load_state_dict(
-        dist_checkpointing.load(model.sharded_state_dict(), str(ckpt / "weights"))
-    )
+    wanted = model.sharded_state_dict()
+    loaded = dist_checkpointing.load(wanted, str(ckpt / "weights"))
+    # A training checkpoint also holds the optimizer's state; only the model's is read.
+    model.load_state_dict({key: value for key, value in loaded.items() if key in wanted})
     export_hf(
         model,
         family,

@@ -1,9 +1,11 @@
 """Training checkpoints: everything a run needs to continue exactly where it stopped.
 
     CHECKPOINTS/step_000020/
-        dist/               megatron-core dist_checkpointing: model and optimizer (any layout)
+        weights/            megatron-core dist_checkpointing: model and optimizer (any layout)
         rng_rank{r}.pt      this rank's torch, Python and NumPy RNG states
         trainer.json        step, learning-rate scheduler, the loop's own counters
+        megatron_rl.json    model family and config, and
+        hf/                 config.json and tokenizer: `megatron-rl convert mcore-to-hf` reads it
     CHECKPOINTS/latest      name of the newest complete checkpoint
 
 A checkpoint is written into `.step_000020.tmp` and renamed when every rank has finished, and
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megatron_rl.checkpoint.convert import write_metadata
 from megatron_rl.fileio import write_text_atomic
 from megatron_rl.models.policy import Policy
 
@@ -59,9 +62,9 @@ def save_checkpoint(
     staging = directory / f".step_{step:06d}.tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
-        (staging / "dist").mkdir(parents=True)
+        (staging / "weights").mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(policy, is_loading=False), str(staging / "dist"))
+    dist_checkpointing.save(_sharded_state(policy, is_loading=False), str(staging / "weights"))
     rng_path = staging / f"rng_rank{dist.get_rank()}.pt"
     with open(rng_path, "wb") as handle:
         torch.save(_rng_state(), handle)
@@ -75,6 +78,7 @@ def save_checkpoint(
             "scheduler": policy.scheduler.state_dict(),
             "trainer": trainer_state,
         }
+        write_metadata(staging, policy.family, policy.config, policy.hf_dir)
         write_text_atomic(staging / "trainer.json", json.dumps(state, indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
@@ -105,7 +109,7 @@ def load_checkpoint(path: Path, policy: Policy) -> tuple[int, dict[str, Any]]:
             f"{path}: saved by {state['world_size']} ranks, resumed with "
             f"{dist.get_world_size()}; the RNG states are per rank"
         )
-    loaded = dist_checkpointing.load(_sharded_state(policy, is_loading=True), str(path / "dist"))
+    loaded = dist_checkpointing.load(_sharded_state(policy, is_loading=True), str(path / "weights"))
     policy.model.module.load_state_dict(loaded["model"])
     policy.optimizer.load_state_dict(loaded["optimizer"])
     policy.scheduler.load_state_dict(state["scheduler"])

@@ -73,7 +73,8 @@ class Policy:
         recompute: bool = False,
         routing_replay: bool = True,
     ) -> None:
-        source = inspect_hf(Path(hf_dir))
+        self.hf_dir = Path(hf_dir)
+        source = inspect_hf(self.hf_dir)
         self.family, self.config = source.family, source.config
         model = build_gpt_moe(
             self.config,

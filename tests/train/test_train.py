@@ -4,8 +4,12 @@ replay, 2 ranks with EP=2, exact resume after a kill, non-finite steps, bad inpu
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.train.run_cli import read_metrics, train_cli, train_until_checkpoint
@@ -72,6 +76,23 @@ def test_engine_logprobs_export_and_wandb(tmp_path):
     assert (export / "config.json").is_file() and (export / "tokenizer.json").is_file()
     (shard,) = export.glob("*.safetensors")
     tensors = load_file(shard)
+    # A training checkpoint converts with the conversion CLI, to the same weights.
+    converted = tmp_path / "converted"
+    command = [sys.executable, "-m", "megatron_rl.cli", "convert", "mcore-to-hf"]
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    done = subprocess.run(
+        [*command, "--ckpt", str(ckpt), "--out", str(converted)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (converted_shard,) = converted.glob("*.safetensors")
+    again = load_file(converted_shard)
+    assert again.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(again[name], tensor), name
     assert "model.layers.3.mlp.experts.7.down_proj.weight" in tensors
 
 
