@@ -12,7 +12,7 @@ from megatron.core import parallel_state
 from torch import Tensor
 
 from megatron_rl.metrics import StepTimer
-from megatron_rl.models.policy import Policy, UpdateResult
+from megatron_rl.models.policy import Policy, UpdateResult, metric_reduction
 from megatron_rl.moe.drift import routing_bytes
 from megatron_rl.parallel.schedule import PolicyLossSpec, PolicyMicroBatch
 from megatron_rl.rollout.batch import EngineRouting, RolloutBatch, micro_batches, minibatch_rows
@@ -90,12 +90,8 @@ def _update_metrics(updates: list[UpdateResult]) -> dict[str, float]:
     }
     for key in sorted({k for u in good for k in u.metrics}):
         values = [u.metrics[key] for u in good if key in u.metrics]
-        if key.endswith("max"):
-            metrics[key] = max(values)
-        elif key.endswith("min"):
-            metrics[key] = min(values)
-        else:
-            metrics[key] = _mean(values)
+        combine = {"max": max, "min": min, "mean": _mean}[metric_reduction(key)]
+        metrics[key] = combine(values)
     return metrics
 
 

@@ -172,6 +172,16 @@ class Policy:
         )
 
 
+def metric_reduction(key: str) -> Literal["max", "min", "mean"]:
+    """How values of the loss metric `key` combine over micro-batches, ranks and updates:
+    extremes (`ratio/max`, `log_ratio/abs_max`, `ratio/min`) stay extremes, the rest average."""
+    if key.endswith("max"):
+        return "max"
+    if key.endswith("min"):
+        return "min"
+    return "mean"
+
+
 def _replay_drift(micro_batch: PolicyMicroBatch, free: list[Tensor]) -> dict[str, float]:
     """How far the routing the current weights would choose has drifted from the replayed one
     (the old policy's, R2, or the engine's, R3): this rank's last micro-batch, response tokens
@@ -222,12 +232,10 @@ def _average_metrics(per_micro_batch: list[dict[str, Tensor]]) -> dict[str, floa
         dist.all_reduce(totals[3], group=group)
         dist.all_reduce(totals[1], op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(totals[2], op=dist.ReduceOp.MIN, group=group)
-    result = {}
-    for index, key in enumerate(keys):
-        if key.endswith("max"):
-            result[key] = float(totals[1, index])
-        elif key.endswith("min"):
-            result[key] = float(totals[2, index])
-        else:
-            result[key] = float(totals[0, index] / totals[3, index])
-    return result
+    row = {"max": 1, "min": 2}
+    return {
+        key: float(totals[0, index] / totals[3, index])
+        if metric_reduction(key) == "mean"
+        else float(totals[row[metric_reduction(key)], index])
+        for index, key in enumerate(keys)
+    }
