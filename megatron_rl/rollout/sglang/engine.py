@@ -1,0 +1,244 @@
+"""The SGLang rollout engine: the RolloutEngine interface over one or more SGLang servers.
+
+Prompts are split into contiguous shares, one per server (data-parallel rollout), sent at once
+and answered in order; or all of them go to one sglang-router URL that balances the servers
+itself. Weight updates always go to every server directly (a router does not forward them).
+
+A server that dies is noticed at once (its process is gone) when this engine manages it. It is
+started again from the latest weights on disk when the disk method keeps some; otherwise its
+weights would be the base model's, so the engine stops with an error instead of rolling out
+from stale weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from torch import Tensor
+
+from megatron_rl.rollout.engine import Sample, SamplingParams, WeightBucket
+from megatron_rl.rollout.sglang.http import ServerConnection, ServerDied, SGLangError
+from megatron_rl.rollout.sglang.responses import parse_prompt_logprobs, parse_samples
+from megatron_rl.rollout.sglang.servers import ServerGroup
+from megatron_rl.rollout.sglang.weight_sync import DiskSync, WeightSync
+
+
+class SGLangEngine:
+    """Rollouts from SGLang servers (see the module docstring).
+
+    Args:
+        urls: the servers' base URLs (`http://host:port`), one per SGLang server.
+        weight_sync: how weights reach the servers (megatron_rl.rollout.sglang.weight_sync).
+        routed_experts: `(layers, topk)` of the model, needed to decode routed experts (R3).
+        router_url: an sglang-router in front of `urls`, used for generation only.
+        managed: the ServerGroup that started `urls`, to restart a server that died.
+        architecture: the model's Hugging Face architecture; a server serving another one is
+            refused before any weight is sent.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        weight_sync: WeightSync,
+        *,
+        routed_experts: tuple[int, int] | None = None,
+        router_url: str | None = None,
+        managed: ServerGroup | None = None,
+        architecture: str | None = None,
+    ) -> None:
+        if not urls:
+            raise ValueError("urls: at least one SGLang server is needed")
+        self.managed = managed
+        if managed is not None:
+            self.servers = [server.connection for server in managed.servers]
+        else:
+            self.servers = [ServerConnection(url) for url in urls]
+        self.router = ServerConnection(router_url) if router_url else None
+        self.weight_sync = weight_sync
+        self.routed_experts = routed_experts
+        self._version = -1
+        self._healthy = True
+        self.last_sync: dict[str, float] = {}
+        if architecture is not None:
+            self._check_architecture(architecture)
+
+    def _check_architecture(self, architecture: str) -> None:
+        for server in self.servers:
+            served = server.get("/model_info").get("architectures") or []
+            if architecture not in served:
+                raise SGLangError(
+                    f"SGLang server {server.url} serves {served or 'an unknown architecture'}, "
+                    f"the trainer's model is {architecture}; weights cannot be synced into it"
+                )
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def healthy(self) -> bool:
+        return self._healthy and all(server.ping() for server in self.servers)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        seed: int = 0,
+        return_routed_experts: bool = False,
+    ) -> list[list[Sample]]:
+        """`n` samples per prompt. `seed` seeds SGLang's sampler per request; SGLang does not
+        promise the same samples for the same seed (batching changes the arithmetic)."""
+        if n < 1:
+            raise ValueError(f"n: expected >= 1, got {n}")
+        for index, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompts[{index}]: empty prompt")
+        if return_routed_experts and self.routed_experts is None:
+            raise ValueError(
+                "return_routed_experts: the engine was built without the model's (layers, topk)"
+            )
+        self._require_healthy()
+        if not prompts:
+            return []
+        targets = [self.router] if self.router is not None else self.servers
+        shares = _split(len(prompts), len(targets))
+        with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+            futures = [
+                pool.submit(
+                    self._generate_on,
+                    target,
+                    [prompts[i] for i in share],
+                    params,
+                    n,
+                    seed + k,
+                    return_routed_experts,
+                )
+                for k, (target, share) in enumerate(zip(targets, shares, strict=True))
+                if share
+            ]
+            results = [future.result() for future in futures]
+        return [groups for result in results for groups in result]
+
+    def _generate_on(
+        self,
+        server: ServerConnection,
+        prompts: list[Sequence[int]],
+        params: SamplingParams,
+        n: int,
+        seed: int,
+        return_routed_experts: bool,
+    ) -> list[list[Sample]]:
+        sampling: dict[str, Any] = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_new_tokens": params.max_new_tokens,
+            "n": n,
+            "sampling_seed": seed,
+        }
+        if params.stop_token_ids:
+            sampling["stop_token_ids"] = list(params.stop_token_ids)
+        body = {
+            "input_ids": [list(prompt) for prompt in prompts],
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "return_routed_experts": return_routed_experts,
+        }
+        answer = self._post(server, "/generate", body)
+        return parse_samples(
+            answer,
+            prompts,
+            n,
+            where=f"SGLang server {server.url}, POST /generate",
+            routed_experts=self.routed_experts if return_routed_experts else None,
+        )
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[Tensor]:
+        """Per sequence, `[len - 1]` log-probs of its tokens 1.. under the engine's weights
+        (the first server's; all servers hold the same weights)."""
+        self._require_healthy()
+        body = {
+            "input_ids": [list(sequence) for sequence in sequences],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        server = self.servers[0]
+        answer = self._post(server, "/generate", body)
+        return parse_prompt_logprobs(
+            answer, sequences, where=f"SGLang server {server.url}, POST /generate (score)"
+        )
+
+    def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Load `buckets` into every server; the engine refuses to generate until it is done."""
+        self._healthy = False
+        start = time.perf_counter()
+        sent = self.weight_sync.push(self.servers, buckets, str(version))
+        seconds = time.perf_counter() - start
+        for server in self.servers:
+            served = server.get("/model_info").get("weight_version")
+            if served != str(version):
+                raise SGLangError(
+                    f"SGLang server {server.url}: weight version {served!r} after the update to "
+                    f"version {version}"
+                )
+        self._version = version
+        self._healthy = True
+        self.last_sync = {
+            "sync/bytes": float(sent),
+            "sync/seconds": seconds,
+            "sync/bytes_per_s": sent / seconds if seconds > 0 else 0.0,
+        }
+
+    def close(self) -> None:
+        """Release the sync method's resources (the servers themselves belong to their owner)."""
+        self.weight_sync.close(self.servers)
+
+    def _require_healthy(self) -> None:
+        if not self._healthy:
+            raise SGLangError(
+                f"SGLang engine: the weight update to version {self._version + 1} did not "
+                "complete; refusing to generate from partly updated weights"
+            )
+
+    def _post(self, server: ServerConnection, path: str, body: dict[str, Any]) -> Any:
+        try:
+            return server.post(path, body)
+        except ServerDied:
+            if self.managed is None or server not in self.servers:
+                raise
+        return self._recover(self.servers.index(server), server, path, body)
+
+    def _recover(self, index: int, server: ServerConnection, path: str, body: dict) -> Any:
+        """Server `index` died: start it again from the latest weights on disk, if any."""
+        managed = self.managed.servers[index]
+        code = managed.process.returncode if managed.process is not None else None
+        latest = self.weight_sync.latest if isinstance(self.weight_sync, DiskSync) else None
+        if latest is None and self._version >= 0:
+            raise SGLangError(
+                f"SGLang server {server.url} died (exit code {code}; log {managed.log_path}). "
+                f"A restarted server would serve the base weights, not version {self._version}; "
+                "resume the run from its last checkpoint (megatron-rl train ... --resume), or "
+                "use rollout.sglang.weight_sync=disk, from which a server can be restarted"
+            )
+        self.managed.restart(index, None if latest is None else str(latest))
+        if self._version >= 0:
+            served = server.get("/model_info").get("weight_version")
+            # A server started from a weight directory reports "default": tag it.
+            if served != str(self._version):
+                server.post("/update_weight_version", {"new_version": str(self._version)})
+        return server.post(path, body)
+
+
+def _split(count: int, parts: int) -> list[list[int]]:
+    """`range(count)` in `parts` contiguous shares whose sizes differ by at most one."""
+    base, extra = divmod(count, parts)
+    shares, start = [], 0
+    for part in range(parts):
+        size = base + (part < extra)
+        shares.append(list(range(start, start + size)))
+        start += size
+    return shares

@@ -1,0 +1,202 @@
+"""SGLang server processes that the trainer starts, watches and stops.
+
+Each server is `python -m sglang.launch_server` in a session of its own, logging to
+`<log_dir>/sglang_<i>.log`. Stopping signals that session's process group by the PID this
+manager recorded (SGLang's scheduler and detokenizer are child processes), never by name.
+A server that died can be started again with the same arguments, optionally from another
+model directory (the latest weights on disk).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_rl.rollout.sglang.http import ServerConnection, SGLangError
+
+# SGLang returns the log-probs of the temperature-scaled distribution unless this is set; the
+# trainer's log-probs are those of the model's own distribution (temperature 1).
+ORIGINAL_LOGPROBS_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSettings:
+    """How to start each server (megatron_rl.config: rollout.sglang)."""
+
+    model_path: str
+    num_servers: int = 1
+    host: str = "127.0.0.1"
+    base_port: int = 30000
+    tp_size: int = 1
+    ep_size: int = 1
+    mem_fraction_static: float = 0.8
+    dtype: str = "auto"
+    routed_experts: bool = False
+    python: str = sys.executable
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 300.0
+
+    def argv(self, index: int, model_path: str | None = None) -> list[str]:
+        """The command line of server `index`."""
+        args = [
+            self.python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model_path or self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(self.base_port + index),
+            "--tp-size",
+            str(self.tp_size),
+            "--ep-size",
+            str(self.ep_size),
+            "--mem-fraction-static",
+            str(self.mem_fraction_static),
+            "--dtype",
+            self.dtype,
+            # The trainer sends token ids and reads token ids; no text on either side.
+            "--skip-tokenizer-init",
+        ]
+        if self.routed_experts:
+            args.append("--enable-return-routed-experts")
+        return args + list(self.extra_args)
+
+
+class ManagedServer:
+    """One server process; see the module docstring."""
+
+    def __init__(self, settings: LaunchSettings, index: int, log_dir: Path) -> None:
+        self.settings, self.index = settings, index
+        self.url = f"http://{settings.host}:{settings.base_port + index}"
+        self.log_path = Path(log_dir) / f"sglang_{index}.log"
+        self.connection = ServerConnection(self.url, alive=self.alive)
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, model_path: str | None = None) -> None:
+        """Launch the process (returns at once; see `wait_ready`)."""
+        if self.alive():
+            raise RuntimeError(f"{self.url}: already running (pid {self.process.pid})")
+        if self.connection.ping():
+            raise SGLangError(
+                f"{self.url}: something already answers on this port; choose another "
+                "rollout.sglang.base_port, or give its url in rollout.sglang.urls to use it"
+            )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = os.environ | self.settings.env | ORIGINAL_LOGPROBS_ENV
+        with open(self.log_path, "ab") as log:
+            command = " ".join(self.settings.argv(self.index, model_path))
+            log.write(f"\n=== start {self.starts + 1}: {command}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                self.settings.argv(self.index, model_path),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        self.starts += 1
+
+    def wait_ready(self) -> None:
+        """Until `/health` answers; an error (with the log's tail) when the process exits or
+        the start-up deadline passes."""
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                code = None if self.process is None else self.process.returncode
+                raise SGLangError(
+                    f"SGLang server {self.url} exited during start-up (exit code {code}); "
+                    f"its log {self.log_path} ends with:\n{self.log_tail()}"
+                )
+            if self.connection.ping():
+                return
+            time.sleep(1.0)
+        self.stop()
+        raise SGLangError(
+            f"SGLang server {self.url} did not answer /health within "
+            f"{self.settings.startup_timeout_s:g} s (rollout.sglang.startup_timeout_s); its log "
+            f"{self.log_path} ends with:\n{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after `grace_s`."""
+        if self.process is None:
+            return
+        pid = self.process.pid
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+            # The launcher is gone; its children may linger in the group a moment longer.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            break
+        self.process = None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class ServerGroup:
+    """The trainer's SGLang servers: started together, stopped together (a context manager)."""
+
+    def __init__(self, settings: LaunchSettings, log_dir: str | Path) -> None:
+        if settings.num_servers < 1:
+            raise ValueError(f"num_servers: expected >= 1, got {settings.num_servers}")
+        self.servers = [
+            ManagedServer(settings, index, Path(log_dir)) for index in range(settings.num_servers)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.url for server in self.servers]
+
+    def start(self) -> ServerGroup:
+        """Start every server, then wait for all of them (they load in parallel)."""
+        try:
+            for server in self.servers:
+                server.start()
+            for server in self.servers:
+                server.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def restart(self, index: int, model_path: str | None = None) -> None:
+        """Start server `index` again (it died), from `model_path` if given."""
+        server = self.servers[index]
+        server.stop()
+        server.start(model_path)
+        server.wait_ready()
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> ServerGroup:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
