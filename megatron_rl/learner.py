@@ -11,6 +11,7 @@ import torch
 from megatron.core import parallel_state
 from torch import Tensor
 
+from megatron_rl.algo import EXTREME_RATIO_TAUS, extreme_token_frac
 from megatron_rl.metrics import StepTimer
 from megatron_rl.models.policy import Policy, UpdateResult, metric_reduction
 from megatron_rl.moe.drift import routing_bytes
@@ -75,6 +76,8 @@ def learn(
             policy.update(minibatch, spec, replay=settings.routing_replay != "none")
             for minibatch in minibatches
         ]
+    if not needs_forward and not updates[0].skipped:
+        metrics |= _mismatch_from_first_update(updates[0])
     return metrics | {"optim/lr": policy.learning_rate} | _update_metrics(updates)
 
 
@@ -98,8 +101,9 @@ def _update_metrics(updates: list[UpdateResult]) -> dict[str, float]:
 def _old_policy_metrics(
     every_micro_batch: list[PolicyMicroBatch], engine_logp: list[Tensor]
 ) -> dict[str, float]:
-    """Entropy of the old policy and the engine/trainer mismatch (k3 KL(engine || trainer)),
-    over response tokens (this rank's share; equal shares make it representative)."""
+    """Entropy of the old policy and the engine/trainer mismatch (k3 KL(engine || trainer), the
+    largest |log-ratio| and F(tau), the share of tokens whose probabilities differ by more than
+    tau times), over response tokens (this rank's share; equal shares make it representative)."""
     masks = torch.cat([m.loss_mask.flatten() for m in every_micro_batch])
     if masks.sum() == 0 or every_micro_batch[0].old_entropy is None:
         return {}
@@ -107,10 +111,26 @@ def _old_policy_metrics(
     trainer = torch.cat([m.old_logp.flatten() for m in every_micro_batch])[masks].double()
     engine = torch.cat([e.flatten() for e in engine_logp])[masks].double()
     delta = trainer - engine
+    everywhere = torch.ones_like(delta, dtype=torch.bool)
     return {
         "entropy/mean": float(entropy.mean()),
         "mismatch/k3": float((torch.expm1(delta) - delta).mean()),
         "mismatch/abs_max": float(delta.abs().max()),
+    } | {
+        f"mismatch/frac_tau{tau}": float(extreme_token_frac(delta, everywhere, tau))
+        for tau in EXTREME_RATIO_TAUS
+    }
+
+
+def _mismatch_from_first_update(first: UpdateResult) -> dict[str, float]:
+    """With the engine's log-probs as old log-probs and no trainer forward, the first update's
+    ratios (before any optimizer step) compare the trainer with the engine: its `kl/k3` and
+    `log_ratio/*` are the mismatch, on that minibatch."""
+    names = {"kl/k3": "mismatch/k3", "log_ratio/abs_max": "mismatch/abs_max"} | {
+        f"log_ratio/frac_tau{tau}": f"mismatch/frac_tau{tau}" for tau in EXTREME_RATIO_TAUS
+    }
+    return {
+        ours: first.metrics[theirs] for theirs, ours in names.items() if theirs in first.metrics
     }
 
 

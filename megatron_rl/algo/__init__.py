@@ -12,15 +12,18 @@ from megatron_rl.algo.losses import (
     get_policy_loss,
     policy_loss_names,
 )
+from megatron_rl.algo.ratios import EXTREME_RATIO_TAUS, extreme_token_frac
 from megatron_rl.algo.segments import subsentence_segment_ids
 
 __all__ = [
     "DEFAULT_LOSS_AGG",
+    "EXTREME_RATIO_TAUS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "GroupAdvantages",
     "PolicyLoss",
     "compute_policy_loss",
+    "extreme_token_frac",
     "get_policy_loss",
     "group_advantages",
     "policy_loss_denominator",

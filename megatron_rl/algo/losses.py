@@ -18,6 +18,8 @@ from torch import Tensor
 from megatron_rl.algo.aggregation import DEFAULT_LOSS_AGG, aggregation
 from megatron_rl.algo.inputs import PolicyLossBatch, check_bound, validate_policy_loss_inputs
 from megatron_rl.algo.ratios import (
+    EXTREME_RATIO_TAUS,
+    extreme_token_frac,
     ppo_clip,
     segment_mean,
     segments_to_tokens,
@@ -343,6 +345,7 @@ def compute_policy_loss(
         The scalar loss to minimise, `-sum(w * obj) / denominator`, and a dict of detached metric
         tensors: `clip_frac/{token,seq,low,high}`, `ratio/{mean,max,min}` (at the loss's unit),
         `log_ratio/abs_max`, `kl/k3` (mean of exp(d) - 1 - d, an estimate of KL(old || new)),
+        `log_ratio/frac_tau{2,5}` (share of tokens whose ratio exceeds tau or 1/tau),
         `loss/denominator`, and loss-specific ones (sspo: `clip_frac/segment`, `segments/per_seq`).
     """
     spec = get_policy_loss(name)
@@ -405,5 +408,9 @@ def _metrics(batch: PolicyLossBatch, result: TokenObjective) -> dict[str, Tensor
         "ratio/min": torch.where(valid, values, inf).min(),
         "log_ratio/abs_max": log_ratio.abs().max(),
         "kl/k3": k3.sum() / num_tokens,
+        **{
+            f"log_ratio/frac_tau{tau}": extreme_token_frac(log_ratio, mask, tau)
+            for tau in EXTREME_RATIO_TAUS
+        },
         **{key: value.detach() for key, value in result.extra_metrics.items()},
     }

@@ -7,6 +7,7 @@ O(B*T) memory. Padding may hold any value, NaN included: masked positions are se
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -26,6 +27,17 @@ def whole_sequences(partial: Tensor) -> Tensor:
 def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """d_t = logp_t - old_logp_t on response tokens, 0 elsewhere. All tensors `[B, T]`."""
     return torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+
+
+# The F(tau) thresholds: the share of tokens whose probability differs by more than tau times.
+EXTREME_RATIO_TAUS = (2, 5)
+
+
+def extreme_token_frac(log_ratio: Tensor, mask: Tensor, tau: float) -> Tensor:
+    """F(tau): the share of response tokens with max(r, 1/r) > tau, r = exp(`log_ratio`) (e.g.
+    p_train / p_engine). `log_ratio` and `mask` `[B, T]`; 0 when no token is masked in."""
+    extreme = mask & (log_ratio.abs() > math.log(tau))
+    return extreme.sum() / mask.sum().clamp(min=1)
 
 
 def response_lengths(

@@ -11,6 +11,7 @@ import torch
 from megatron_rl.algo import (
     LOSS_AGG_MODES,
     compute_policy_loss,
+    extreme_token_frac,
     group_advantages,
     policy_loss_names,
 )
@@ -475,6 +476,8 @@ def test_metrics_are_detached_tensors_with_namespaced_keys():
             "ratio/min",
             "log_ratio/abs_max",
             "kl/k3",
+            "log_ratio/frac_tau2",
+            "log_ratio/frac_tau5",
             "loss/denominator",
         }
         assert required <= set(metrics)
@@ -484,3 +487,13 @@ def test_metrics_are_detached_tensors_with_namespaced_keys():
         assert float(metrics["ratio/min"]) <= float(metrics["ratio/mean"])
         assert float(metrics["ratio/mean"]) <= float(metrics["ratio/max"])
         assert float(metrics["kl/k3"]) >= 0
+        assert 0 <= float(metrics["log_ratio/frac_tau5"]) <= float(metrics["log_ratio/frac_tau2"])
+
+
+def test_extreme_token_fraction_counts_ratios_beyond_tau_either_way():
+    # p_new / p_old per token: 3 (beyond 2), 1/3 (beyond 2), 6 (beyond 5), 1.5; last token masked.
+    log_ratio = torch.tensor([[math.log(3), -math.log(3), math.log(6), math.log(1.5), 9.0]])
+    mask = torch.tensor([[True, True, True, True, False]])
+    assert float(extreme_token_frac(log_ratio, mask, 2)) == pytest.approx(3 / 4)
+    assert float(extreme_token_frac(log_ratio, mask, 5)) == pytest.approx(1 / 4)
+    assert float(extreme_token_frac(log_ratio, torch.zeros_like(mask), 2)) == 0.0
