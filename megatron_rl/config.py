@@ -85,6 +85,19 @@ def _convert(value: Any, kind: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
+    if origin is list:
+        (item,) = typing.get_args(kind)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_convert(entry, item, f"{key}[{index}]") for index, entry in enumerate(value)]
+    if origin is dict:
+        key_kind, value_kind = typing.get_args(kind)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {
+            _convert(name, key_kind, key): _convert(entry, value_kind, f"{key}.{name}")
+            for name, entry in value.items()
+        }
     raise ConfigError(f"{key}: unsupported field type {kind!r}")
 
 
@@ -236,11 +249,69 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class SGLangConfig:
+    """SGLang servers (rollout.backend=sglang); docs/sglang.md."""
+
+    urls: list[str] = field(default_factory=list)
+    """Servers someone else started (e.g. a SLURM job step), as http://host:port; empty: the
+    trainer starts num_servers servers itself and stops them at the end."""
+    router_url: str | None = None
+    """An sglang-router in front of the servers, used for generation (weights go to urls)."""
+    num_servers: int = 1
+    """Servers the trainer starts (data-parallel rollout)."""
+    host: str = "127.0.0.1"
+    """Address the started servers listen on."""
+    base_port: int = 30000
+    """Port of the first started server; server i listens on base_port + i."""
+    tp_size: int = 1
+    """Tensor-parallel size of each server."""
+    ep_size: int = 1
+    """Expert-parallel size of each server."""
+    mem_fraction_static: float = 0.8
+    """SGLang's --mem-fraction-static (weights + KV cache share of device memory)."""
+    dtype: str = "auto"
+    """SGLang's --dtype (auto takes the checkpoint's)."""
+    python: str = ""
+    """Interpreter that runs sglang.launch_server; empty: the trainer's own."""
+    extra_args: list[str] = field(default_factory=list)
+    """More sglang.launch_server arguments, e.g. ["--device", "cpu"]."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables added for the started servers only."""
+    startup_timeout_s: float = 300.0
+    """Longest wait for a started server to answer /health."""
+    request_deadline_s: float = 120.0
+    """How long a request that fails transiently (503, refused, timeout) is retried."""
+    weight_sync: Literal["disk", "tensor", "distributed"] = "tensor"
+    """disk (/update_weights_from_disk), tensor (same host, shared memory) or distributed
+    (a process group with the servers: NCCL on GPU, gloo on CPU)."""
+    weight_dir: str = ""
+    """Where weight_sync=disk writes (must be visible to the servers); empty: RUN_DIR/sglang."""
+    master_address: str = "127.0.0.1"
+    """The trainer's address as the servers reach it (weight_sync=distributed)."""
+
+    def validate(self) -> None:
+        _positive(
+            "rollout.sglang",
+            self,
+            "num_servers",
+            "tp_size",
+            "ep_size",
+            "mem_fraction_static",
+            "startup_timeout_s",
+            "request_deadline_s",
+        )
+        for url in self.urls + ([self.router_url] if self.router_url else []):
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"rollout.sglang.urls: {url!r} is not http://host:port")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     """Sampling responses from the current policy."""
 
-    backend: Literal["local"] = "local"
-    """Rollout engine: local (in-process Hugging Face model; CPU runs and tests)."""
+    backend: Literal["local", "sglang"] = "local"
+    """Rollout engine: local (in-process Hugging Face model; CPU runs and tests) or sglang
+    (SGLang servers, rollout.sglang)."""
     prompts_per_step: int = 16
     """Prompts sampled per RL step."""
     group_size: int = 8
@@ -252,10 +323,30 @@ class RolloutConfig:
     max_new_tokens: int = 48
     """Longest response in tokens."""
     max_batch_size: int = 256
-    """Sequences the engine generates at once."""
+    """Sequences the local engine generates at once."""
+    sync_bucket_mb: int = 512
+    """Weight sync bucket size in MiB (tensors per transfer)."""
+    probe_every: int = 1
+    """Check the engine's log-probs of a fixed probe sequence against the trainer's after every
+    k-th weight sync; 0 never checks."""
+    probe_tolerance: float = 0.02
+    """Largest mean |engine - trainer| log-prob on the probe before the run stops (bf16
+    engines differ by ~1e-2; stale weights by more)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang servers, for backend=sglang."""
 
     def validate(self) -> None:
-        _positive("rollout", self, "prompts_per_step", "max_new_tokens", "max_batch_size")
+        _positive(
+            "rollout",
+            self,
+            "prompts_per_step",
+            "max_new_tokens",
+            "max_batch_size",
+            "sync_bucket_mb",
+            "probe_tolerance",
+        )
+        if self.probe_every < 0:
+            raise ConfigError(f"rollout.probe_every: expected >= 0, got {self.probe_every}")
         if self.group_size < 2:
             raise ConfigError(
                 f"rollout.group_size: expected >= 2, got {self.group_size} (advantages are "

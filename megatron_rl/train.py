@@ -9,6 +9,7 @@ so a resumed run repeats exactly what an uninterrupted one would have done.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
@@ -40,11 +41,12 @@ from megatron_rl.rewards import (
     get_verifier,
     load_jsonl_problems,
 )
+from megatron_rl.rollout.backends import open_engine
 from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
 from megatron_rl.rollout.evaluate import held_out_accuracy
-from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.rollout.step import RolloutSettings, rollout_step
+from megatron_rl.rollout.sync import SyncSettings, sync_weights
 
 
 class TrainingAborted(RuntimeError):
@@ -64,6 +66,13 @@ def train(recipe: Recipe, *, resume: bool = False) -> dict[str, float]:
 
 
 def _train(recipe: Recipe, dims: ParallelDims, *, resume: bool) -> dict[str, float]:
+    with ExitStack() as stack:  # the rollout engine's servers and resources
+        return _train_loop(recipe, dims, stack, resume=resume)
+
+
+def _train_loop(
+    recipe: Recipe, dims: ParallelDims, stack: ExitStack, *, resume: bool
+) -> dict[str, float]:
     run, rollout = recipe.run, recipe.rollout
     run_dir, rank0 = Path(run.dir), dist.get_rank() == 0
     codec = PromptCodec(recipe.model.hf_path, max_prompt_tokens=_max_prompt_tokens(recipe))
@@ -79,8 +88,13 @@ def _train(recipe: Recipe, dims: ParallelDims, *, resume: bool) -> dict[str, flo
     )
     engine = None
     if rank0:
-        engine = LocalEngine.from_pretrained(
-            recipe.model.hf_path, max_batch_size=rollout.max_batch_size
+        engine = open_engine(
+            rollout,
+            recipe.model.hf_path,
+            run_dir,
+            stack,
+            routing_shape=(policy.config.num_layers, policy.config.router_topk),
+            routed_experts=recipe.algo.routing_replay == "r3",
         )
     params = SamplingParams(
         temperature=rollout.temperature,
@@ -89,6 +103,22 @@ def _train(recipe: Recipe, dims: ParallelDims, *, resume: bool) -> dict[str, flo
         stop_token_ids=codec.stop_token_ids,
     )
     rollout_settings, learn_settings = _step_settings(recipe)
+    sync_settings = SyncSettings(
+        bucket_bytes=rollout.sync_bucket_mb * 2**20,
+        probe_every=rollout.probe_every,
+        probe_tolerance=rollout.probe_tolerance,
+    )
+    probe = _probe_sequence(codec, problems.eval_problems[0])
+    syncs = 0
+
+    def sync(version: int) -> dict[str, float]:
+        nonlocal syncs
+        metrics = sync_weights(
+            policy, engine, version=version, probe=probe, settings=sync_settings, sync_count=syncs
+        )
+        syncs += 1
+        return metrics
+
     start, state = 0, {"bad_steps": 0}
     checkpoint_dir = run_dir / "checkpoints"
     found = latest_checkpoint(checkpoint_dir)
@@ -99,7 +129,7 @@ def _train(recipe: Recipe, dims: ParallelDims, *, resume: bool) -> dict[str, flo
         )
     if found is not None:
         start, state = load_checkpoint(found, policy)
-    _sync_weights(policy, engine, version=start)
+    sync(start)
     evaluate = _evaluator(engine, codec, problems.eval_problems, verifier, recipe)
     metrics: dict[str, float] = {}
     with MetricsLogger(_metric_sinks(recipe, start) if rank0 else []) as logger:
@@ -119,7 +149,7 @@ def _train(recipe: Recipe, dims: ParallelDims, *, resume: bool) -> dict[str, flo
                 )
             metrics |= learn(policy, batch, spec, learn_settings, timer, seed=run.seed + step)
             with timer.phase("weight_sync"):
-                _sync_weights(policy, engine, version=step)
+                metrics |= sync(step)
             if step % run.eval_every == 0 or step == run.steps:
                 with timer.phase("eval"):
                     metrics |= evaluate()
@@ -243,14 +273,14 @@ def _metric_sinks(recipe: Recipe, start: int) -> list[MetricsSink]:
     return sinks
 
 
-def _sync_weights(policy: Policy, engine: RolloutEngine | None, *, version: int) -> None:
-    """Stream the policy's weights into the engine on rank 0 (every rank takes part)."""
-    stream = policy.weight_stream()
-    if engine is not None:
-        engine.update_weights(stream, version)
-    else:
-        for _ in stream:
-            pass
+def _probe_sequence(codec: PromptCodec, problem: Problem) -> list[int]:
+    """The weight-sync probe: a held-out prompt and its ideal response (or reference answer),
+    as token ids."""
+    response = problem.solution or problem.reference
+    ids = codec.encode_prompt(problem.prompt) + codec.tokenizer.encode(
+        response, add_special_tokens=False
+    )
+    return ids[: codec.max_prompt_tokens]
 
 
 def _evaluator(

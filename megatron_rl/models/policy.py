@@ -165,11 +165,55 @@ class Policy:
     def learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def sequence_logprobs(self, sequences: list[list[int]]) -> list[Tensor]:
+        """Per sequence, `[len - 1]` float32 log-probs of its tokens 1.. under the current
+        weights, returned on every rank (a collective: every rank passes the same sequences)."""
+        micro_batches = []
+        for sequence in sequences:
+            # Right padding to a multiple of 8 (sequence parallelism splits the sequence over
+            # TP ranks); under causal attention it cannot change the real tokens' log-probs.
+            width = -(-len(sequence) // 8) * 8
+            tokens = torch.zeros(1, width, dtype=torch.long)
+            tokens[0, : len(sequence)] = torch.tensor(sequence)
+            mask = torch.zeros(1, width, dtype=torch.bool)
+            mask[0, : len(sequence) - 1] = True
+            micro_batches.append(
+                PolicyMicroBatch(
+                    tokens=tokens,
+                    loss_mask=mask,
+                    old_logp=torch.zeros(1, width),
+                    advantages=torch.zeros(1),
+                )
+            )
+        self.old_logprobs(micro_batches)
+        # Only the last pipeline stage has log-probs; every rank of it holds the same ones.
+        last_stage = parallel_state.is_pipeline_last_stage()
+        values = torch.cat(
+            [
+                mb.old_logp[0, : len(seq) - 1].float().cpu()
+                for mb, seq in zip(micro_batches, sequences, strict=True)
+            ]
+        )
+        totals = torch.cat([values * last_stage, torch.tensor([float(last_stage)])]).double()
+        if dist.get_world_size() > 1:
+            totals = totals.to(_device())
+            dist.all_reduce(totals)
+        mean = (totals[:-1] / totals[-1]).float().cpu()
+        return list(mean.split([len(seq) - 1 for seq in sequences]))
+
     def weight_stream(self, *, bucket_bytes: int = 512 * 2**20) -> HFWeightStream:
         """The current weights as Hugging Face tensors on global rank 0 (a collective)."""
         return stream_hf_weights(
             self.model.module, self.family, self.config, bucket_bytes=bucket_bytes
         )
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 def metric_reduction(key: str) -> Literal["max", "min", "mean"]:

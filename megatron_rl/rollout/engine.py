@@ -78,6 +78,11 @@ class RolloutEngine(Protocol):
         """`n` samples per prompt, `[len(prompts)][n]`; the same seed gives the same samples."""
         ...
 
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[Tensor]:
+        """Per sequence, `[len - 1]` float32 log-probs of its tokens 1.. under the engine's
+        current weights (the weight-sync probe compares them with the trainer's)."""
+        ...
+
     def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Load Hugging Face-named tensors (megatron_rl.models.hf_weights.stream_hf_weights);
         every parameter of the engine's model must be covered; `version` is recorded."""

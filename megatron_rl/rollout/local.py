@@ -111,6 +111,16 @@ class LocalEngine:
         self._healthy = True
 
     @torch.no_grad()
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[Tensor]:
+        """Per sequence, `[len - 1]` log-probs of its tokens 1.. (one forward each)."""
+        result = []
+        for sequence in sequences:
+            tokens = torch.tensor([list(sequence)])
+            logits = self.model(input_ids=tokens, **self._extra_inputs).logits[0, :-1].float()
+            result.append(torch.log_softmax(logits, -1).gather(1, tokens[0, 1:, None])[:, 0])
+        return result
+
+    @torch.no_grad()
     def generate(
         self,
         prompts: Sequence[Sequence[int]],

@@ -14,6 +14,7 @@ from megatron_rl.rollout.batch import build_rollout_batch, micro_batches
 from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine
+from megatron_rl.rollout.sync import SyncSettings, WeightSyncMismatch, sync_weights
 
 
 def _engine_logprobs(engine: LocalEngine, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -24,13 +25,84 @@ def _engine_logprobs(engine: LocalEngine, tokens: torch.Tensor, mask: torch.Tens
     return torch.where(mask, logp.gather(2, targets[..., None])[..., 0], 0.0)
 
 
-def _sync(policy: Policy, engine: LocalEngine | None, version: int) -> None:
-    stream = policy.weight_stream(bucket_bytes=2**20)
-    if engine is not None:
-        engine.update_weights(stream, version)
-    else:
-        for _ in stream:
+def _sync(
+    policy: Policy,
+    engine: LocalEngine | None,
+    version: int,
+    *,
+    probe: list[int] | None = None,
+    tolerance: float = 1e-4,
+) -> dict[str, float]:
+    settings = SyncSettings(
+        bucket_bytes=2**20, probe_every=1 if probe else 0, probe_tolerance=tolerance
+    )
+    return sync_weights(
+        policy, engine, version=version, probe=probe or [], settings=settings, sync_count=0
+    )
+
+
+class _LostUpdates(LocalEngine):
+    """A broken engine (test double): it takes weight updates and drops them."""
+
+    def update_weights(self, buckets, version: int) -> None:
+        for _ in buckets:
             pass
+        self._version = version
+
+
+def _one_update(policy: Policy, batch, launch: LaunchEnv) -> float:
+    """One GRPO optimizer step on this rank's share of `batch`; returns the gradient norm."""
+    share = micro_batches(
+        batch,
+        list(range(batch.num_rows)),
+        dp_rank=torch.distributed.get_rank(),
+        dp_size=launch.world_size,
+        micro_batch_size=4,
+    )
+    policy.old_logprobs(share)
+    return policy.update(share, PolicyLossSpec("grpo", 0.2, 0.2), replay=False).grad_norm
+
+
+def probe_check(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
+    """The weight-sync probe: trainer and engine agree after each sync; an engine that dropped
+    the update stops every rank with WeightSyncMismatch."""
+    dims = ParallelDims(world_size=launch.world_size, ep=launch.world_size)
+    init_distributed(dims, launch, seed=5)
+    policy = Policy(hf_dir, dims, OptimizerSettings(lr=1e-3))
+    engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
+    codec = PromptCodec(hf_dir, max_prompt_tokens=64)
+    problem = ArithmeticTask().problems("eval", 1, seed=0)[0]
+    probe = codec.encode_prompt(problem.prompt) + codec.tokenizer.encode(problem.solution)
+    batch = _rollout_batch(engine, codec)
+    result: dict[str, object] = {"start": _sync(policy, engine, 0, probe=probe)}
+    _one_update(policy, batch, launch)
+    result["synced"] = _sync(policy, engine, 1, probe=probe)
+    broken = _LostUpdates(engine.model) if engine is not None else None
+    _one_update(policy, batch, launch)
+    try:
+        _sync(policy, broken, 2, probe=probe)
+    except WeightSyncMismatch as error:
+        result["error"] = str(error)
+    return result
+
+
+def _rollout_batch(engine: LocalEngine | None, codec: PromptCodec):
+    """Samples of 4 training problems (2 each) from rank 0's engine, on every rank."""
+    problems = ArithmeticTask().problems("train", 4, seed=3)
+    box = [None]
+    if engine is not None:
+        params = SamplingParams(max_new_tokens=32, stop_token_ids=codec.stop_token_ids)
+        groups = engine.generate([codec.encode_prompt(p.prompt) for p in problems], params, n=2)
+        box = [[s for g in groups for s in g]]
+    torch.distributed.broadcast_object_list(box, src=0)
+    samples = box[0]
+    rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
+    return build_rollout_batch(
+        samples,
+        group_advantages(rewards, 2).advantages,
+        pad_id=0,
+        newline_token_ids=codec.newline_token_ids,
+    )
 
 
 def weight_sync(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
@@ -41,22 +113,7 @@ def weight_sync(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
     policy = Policy(hf_dir, dims, OptimizerSettings(lr=1e-3))
     engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
     codec = PromptCodec(hf_dir, max_prompt_tokens=64)
-    problems = ArithmeticTask().problems("train", 4, seed=3)
-    samples = None
-    box = [None]
-    if engine is not None:
-        params = SamplingParams(max_new_tokens=32, stop_token_ids=codec.stop_token_ids)
-        groups = engine.generate([codec.encode_prompt(p.prompt) for p in problems], params, n=2)
-        box = [[s for g in groups for s in g]]
-    torch.distributed.broadcast_object_list(box, src=0)
-    samples = box[0]
-    rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
-    batch = build_rollout_batch(
-        samples,
-        group_advantages(rewards, 2).advantages,
-        pad_id=0,
-        newline_token_ids=codec.newline_token_ids,
-    )
+    batch = _rollout_batch(engine, codec)
     rows = list(range(batch.num_rows))
 
     def trainer_logp() -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,16 +126,7 @@ def weight_sync(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
     logp, mask = trainer_logp()
     if engine is not None:
         result["start"] = float((logp - _engine_logprobs(engine, batch.tokens, mask)).abs().max())
-    share = micro_batches(
-        batch,
-        rows,
-        dp_rank=torch.distributed.get_rank(),
-        dp_size=launch.world_size,
-        micro_batch_size=4,
-    )
-    policy.old_logprobs(share)
-    update = policy.update(share, PolicyLossSpec("grpo", 0.2, 0.2), replay=False)
-    result["grad_norm"] = update.grad_norm
+    result["grad_norm"] = _one_update(policy, batch, launch)
     logp, mask = trainer_logp()
     if engine is not None:
         stale = _engine_logprobs(engine, batch.tokens, mask)

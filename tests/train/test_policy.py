@@ -20,3 +20,15 @@ def test_engine_log_probs_equal_the_trainers_after_each_sync(world_size):
     assert result["before_sync"] > 1e-3  # the update moved the trainer away from the engine
     assert result["after_sync"] < 1e-4
     assert result["version"] == 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2], ids=["one_rank", "ep2"])
+def test_the_sync_probe_passes_after_each_sync_and_stops_every_rank_on_lost_updates(world_size):
+    results = run_on_ranks(policy_worker.probe_check, TINY_MODEL, world_size=world_size)
+    rank0 = results[0]
+    for checked in (rank0["start"], rank0["synced"]):
+        assert checked["sync/probe_mean_abs_diff"] < 1e-5
+        assert checked["sync/probe_max_abs_diff"] < 1e-4
+    for result in results:
+        assert "the engine is not serving the trainer's weights" in result["error"]
+        assert "weight sync 2" in result["error"]

@@ -20,7 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from megatron_rl.rollout.engine import Sample, SamplingParams, WeightBucket
-from megatron_rl.rollout.sglang.http import ServerConnection, ServerDied, SGLangError
+from megatron_rl.rollout.sglang.http import RetryPolicy, ServerConnection, ServerDied, SGLangError
 from megatron_rl.rollout.sglang.responses import parse_prompt_logprobs, parse_samples
 from megatron_rl.rollout.sglang.servers import ServerGroup
 from megatron_rl.rollout.sglang.weight_sync import DiskSync, WeightSync
@@ -37,6 +37,10 @@ class SGLangEngine:
         managed: the ServerGroup that started `urls`, to restart a server that died.
         architecture: the model's Hugging Face architecture; a server serving another one is
             refused before any weight is sent.
+        retry: retries of servers the engine does not manage (managed ones bring their own).
+        tensor_shapes: name -> shape of every tensor of the served checkpoint. Each weight update
+            is checked against it before a tensor is sent: SGLang 0.5.23 silently ignores a name
+            it does not know and its scheduler dies on a wrong shape.
     """
 
     def __init__(
@@ -48,6 +52,8 @@ class SGLangEngine:
         router_url: str | None = None,
         managed: ServerGroup | None = None,
         architecture: str | None = None,
+        retry: RetryPolicy | None = None,
+        tensor_shapes: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         if not urls:
             raise ValueError("urls: at least one SGLang server is needed")
@@ -55,10 +61,11 @@ class SGLangEngine:
         if managed is not None:
             self.servers = [server.connection for server in managed.servers]
         else:
-            self.servers = [ServerConnection(url) for url in urls]
-        self.router = ServerConnection(router_url) if router_url else None
+            self.servers = [ServerConnection(url, retry) for url in urls]
+        self.router = ServerConnection(router_url, retry) if router_url else None
         self.weight_sync = weight_sync
         self.routed_experts = routed_experts
+        self.tensor_shapes = tensor_shapes
         self._version = -1
         self._healthy = True
         self.last_sync: dict[str, float] = {}
@@ -91,7 +98,9 @@ class SGLangEngine:
         return_routed_experts: bool = False,
     ) -> list[list[Sample]]:
         """`n` samples per prompt. `seed` seeds SGLang's sampler per request; SGLang does not
-        promise the same samples for the same seed (batching changes the arithmetic)."""
+        promise the same samples for the same seed (batching changes the arithmetic). Besides
+        `params.stop_token_ids`, SGLang stops at the model's own EOS tokens (its config), which
+        the trainer's codec counts among its stop tokens anyway."""
         if n < 1:
             raise ValueError(f"n: expected >= 1, got {n}")
         for index, prompt in enumerate(prompts):
@@ -176,7 +185,8 @@ class SGLangEngine:
         """Load `buckets` into every server; the engine refuses to generate until it is done."""
         self._healthy = False
         start = time.perf_counter()
-        sent = self.weight_sync.push(self.servers, buckets, str(version))
+        checked = buckets if self.tensor_shapes is None else self._checked(buckets, version)
+        sent = self.weight_sync.push(self.servers, checked, str(version))
         seconds = time.perf_counter() - start
         for server in self.servers:
             served = server.get("/model_info").get("weight_version")
@@ -192,6 +202,41 @@ class SGLangEngine:
             "sync/seconds": seconds,
             "sync/bytes_per_s": sent / seconds if seconds > 0 else 0.0,
         }
+
+    def _checked(self, buckets: Iterable[WeightBucket], version: int) -> Iterable[WeightBucket]:
+        """`buckets`, each checked against `tensor_shapes` before it is handed on; the stream's
+        manifest, when it has one, is checked as a whole before anything is sent."""
+        servers = ", ".join(server.url for server in self.servers)
+        where = f"weight update {version} to SGLang server(s) {servers}"
+        manifest = getattr(buckets, "manifest", None)
+        if manifest is not None:
+            for name, shape, _ in manifest:
+                self._check_tensor(name, tuple(shape), where)
+            self._check_complete({name for name, _, _ in manifest}, where)
+        seen: set[str] = set()
+        for bucket in buckets:
+            for name, tensor in bucket:
+                self._check_tensor(name, tuple(tensor.shape), where)
+                seen.add(name)
+            yield bucket
+        self._check_complete(seen, where)
+
+    def _check_tensor(self, name: str, shape: tuple[int, ...], where: str) -> None:
+        if name not in self.tensor_shapes:
+            raise SGLangError(f"{where}: weight {name!r}: the served model has no such tensor")
+        if shape != self.tensor_shapes[name]:
+            raise SGLangError(
+                f"{where}: weight {name!r} has shape {list(shape)}, the served model's is "
+                f"{list(self.tensor_shapes[name])}"
+            )
+
+    def _check_complete(self, names: set[str], where: str) -> None:
+        missing = sorted(set(self.tensor_shapes) - names)
+        if missing:
+            raise SGLangError(
+                f"{where}: {len(missing)} tensor(s) of the served model are not in the update, "
+                f"e.g. {missing[:3]}"
+            )
 
     def close(self) -> None:
         """Release the sync method's resources (the servers themselves belong to their owner)."""

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rl.rollout.sglang.http import ServerConnection, SGLangError
+from megatron_rl.rollout.sglang.http import RetryPolicy, ServerConnection, SGLangError
 
 # SGLang returns the log-probs of the temperature-scaled distribution unless this is set; the
 # trainer's log-probs are those of the model's own distribution (temperature 1).
@@ -42,6 +42,7 @@ class LaunchSettings:
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 300.0
+    request_deadline_s: float = 120.0
 
     def argv(self, index: int, model_path: str | None = None) -> list[str]:
         """The command line of server `index`."""
@@ -78,7 +79,9 @@ class ManagedServer:
         self.settings, self.index = settings, index
         self.url = f"http://{settings.host}:{settings.base_port + index}"
         self.log_path = Path(log_dir) / f"sglang_{index}.log"
-        self.connection = ServerConnection(self.url, alive=self.alive)
+        self.connection = ServerConnection(
+            self.url, RetryPolicy(deadline_s=settings.request_deadline_s), alive=self.alive
+        )
         self.process: subprocess.Popen | None = None
         self.starts = 0
 

@@ -281,27 +281,41 @@ class DistributedSync:
             except BaseException as error:  # reported after the trainer's side gives up
                 errors.append(error)
 
-        threads = [
+        joins = [
             threading.Thread(target=join, args=(server, offset), daemon=True)
             for server, offset in zip(servers, offsets, strict=True)
         ]
-        for thread in threads:
+        for thread in joins:
             thread.start()
-        try:
-            self.group, self._store = open_weight_group(
-                self.backend,
-                self.master_address,
-                port,
-                world_size,
-                self.group_name,
-                self.timeout_s,
-            )
-        except Exception as error:
-            for thread in threads:
-                thread.join(timeout=5)
-            detail = f"; the server said: {errors[0]}" if errors else ""
-            raise SGLangError(f"weight-update group at port {port}: {error}{detail}") from error
-        for thread in threads:
+        opened: list = []
+
+        def open_group() -> None:
+            try:
+                opened.append(
+                    open_weight_group(
+                        self.backend,
+                        self.master_address,
+                        port,
+                        world_size,
+                        self.group_name,
+                        self.timeout_s,
+                    )
+                )
+            except BaseException as error:
+                opened.append(error)
+
+        # The trainer's end waits for every server in a thread of its own, so that a server
+        # that fails to join stops the wait at once instead of after the timeout.
+        opener = threading.Thread(target=open_group, daemon=True)
+        opener.start()
+        while opener.is_alive() and not errors:
+            opener.join(timeout=0.1)
+        if errors:
+            raise errors[0]
+        if isinstance(opened[0], BaseException):
+            raise SGLangError(f"weight-update group at port {port}: {opened[0]}") from opened[0]
+        self.group, self._store = opened[0]
+        for thread in joins:
             thread.join()
         if errors:
             raise errors[0]

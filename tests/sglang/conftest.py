@@ -1,0 +1,72 @@
+"""The SGLang tier: one real SGLang 0.5.23 server for the whole test session.
+
+The server runs from .venv-sglang (scripts/install_sglang_cpu.sh, which scripts/test.sh runs
+first) with the test-only CPU shims of tests/sglang/cpu_shims, on the tiny model in float32,
+with routed experts on. Its launch settings are those of the CPU example recipe
+(examples/moe/tiny_gspo_sglang.yaml) on a port of its own. Without that environment the tier
+fails, loudly: it never skips.
+
+Tests that change the server's weights put the base weights back (`base_weights`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.checkpoint.hf_files import HFCheckpoint
+from megatron_rl.config import Recipe, load_config
+from megatron_rl.rollout.backends import launch_settings
+from megatron_rl.rollout.sglang import ServerGroup
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL = str(REPO / "examples" / "moe" / "tiny_qwen3_moe")
+CPU_RECIPE = REPO / "examples" / "moe" / "tiny_gspo_sglang.yaml"
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+TEST_PORT = 30700
+ROUTING_SHAPE = (4, 2)  # the tiny model: 4 MoE layers, top-2
+
+
+def cpu_launch_settings(port: int, *, routed_experts: bool = True):
+    """The example recipe's CPU server settings, on `port`, with absolute paths (the tests may
+    run from any directory)."""
+    config = load_config(Recipe, CPU_RECIPE).rollout.sglang
+    env = dict(config.env) | {"PYTHONPATH": str(REPO / "tests" / "sglang" / "cpu_shims")}
+    config = dataclasses.replace(
+        config, python=str(SGLANG_PYTHON), env=env, base_port=port, startup_timeout_s=240.0
+    )
+    return launch_settings(config, TINY_MODEL, routed_experts=routed_experts)
+
+
+@pytest.fixture(scope="session")
+def sglang_servers(tmp_path_factory):
+    if not SGLANG_PYTHON.is_file():
+        pytest.fail(
+            f"{SGLANG_PYTHON} is missing: the SGLang tier needs "
+            "`bash scripts/install_sglang_cpu.sh` (scripts/test.sh runs it)"
+        )
+    group = ServerGroup(cpu_launch_settings(TEST_PORT), tmp_path_factory.mktemp("sglang_logs"))
+    with group:
+        yield group
+
+
+@pytest.fixture
+def base_weights(sglang_servers):
+    """Put the tiny model's own weights back into the session's server after the test."""
+    yield
+    server = sglang_servers.servers[0]
+    if not server.alive():
+        sglang_servers.restart(0)
+    connection = server.connection
+    connection.post(
+        "/update_weights_from_disk", {"model_path": TINY_MODEL, "weight_version": "base"}
+    )
+
+
+def tiny_tensor_shapes() -> dict[str, tuple[int, ...]]:
+    checkpoint = HFCheckpoint(TINY_MODEL)
+    shapes = {name: checkpoint.shape(name) for name in checkpoint.names()}
+    checkpoint.close()
+    return shapes

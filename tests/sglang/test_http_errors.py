@@ -1,0 +1,162 @@
+"""The client's retries and errors against servers that misbehave.
+
+A real SGLang server does not return malformed answers on demand, so these tests use a small
+HTTP server in a thread that answers as scripted (a test double of a broken SGLang server);
+the client code under test is the real one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.sglang import RetryPolicy, ServerConnection, SGLangEngine, SGLangError
+from megatron_rl.rollout.sglang.weight_sync import TensorSync
+
+QUICK = RetryPolicy(deadline_s=1.5, timeout_s=0.5, first_backoff_s=0.05, max_backoff_s=0.2)
+
+
+class ScriptedServer:
+    """Answers each POST with the next (status, body) of `script` (the last one repeats)."""
+
+    def __init__(self, script: list[tuple[int, str]]) -> None:
+        self.script, self.requests = list(script), []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", 0))
+                owner.requests.append((self.path, json.loads(self.rfile.read(length) or b"{}")))
+                status, body = owner.script.pop(0) if len(owner.script) > 1 else owner.script[0]
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def scripted():
+    servers = []
+
+    def make(script):
+        servers.append(ScriptedServer(script))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _sample(output_ids, logprobs, prompt_tokens=2, finish="length") -> dict:
+    return {
+        "output_ids": output_ids,
+        "meta_info": {
+            "output_token_logprobs": logprobs,
+            "finish_reason": {"type": finish},
+            "prompt_tokens": prompt_tokens,
+        },
+    }
+
+
+def _engine(url: str) -> SGLangEngine:
+    return SGLangEngine([url], TensorSync([1]), routed_experts=(4, 2), retry=QUICK)
+
+
+def test_a_url_that_never_answers_fails_after_the_deadline_naming_it():
+    url = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(SGLangError, match=r"127\.0\.0\.1.*POST /generate.*within 1\.5 s.*Connect"):
+        ServerConnection(url, QUICK).post("/generate", {})
+
+
+def test_a_server_that_accepts_but_never_replies_times_out():
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(SGLangError, match=r"within 1\.5 s.*(Timeout|timed out)"):
+            ServerConnection(url, QUICK).post("/generate", {})
+
+
+def test_503_is_retried_until_it_succeeds(scripted):
+    server = scripted([(503, "loading"), (503, "loading"), (200, '{"ok": 1}')])
+    assert ServerConnection(server.url, QUICK).post("/x", {"a": 1}) == {"ok": 1}
+    assert len(server.requests) == 3
+
+
+def test_400_is_not_retried_and_its_message_is_shown(scripted):
+    server = scripted([(400, '{"error": "unknown sampling param bogus"}')])
+    with pytest.raises(SGLangError, match=r"refused the request \(HTTP 400.*bogus"):
+        ServerConnection(server.url, QUICK).post("/generate", {})
+    assert len(server.requests) == 1
+
+
+def test_malformed_json_names_server_and_request(scripted):
+    server = scripted([(200, "<html>oops")])
+    with pytest.raises(SGLangError, match=rf"{server.url}, POST /generate: the answer is not JSON"):
+        _engine(server.url).generate([[1, 2]], SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (_sample([5, 6], [[-0.1, 5, None]]), r"output_token_logprobs has 1 entries for 2"),
+        (_sample([5, 6], [[-0.1, 5, None], [-0.2, 7, None]]), r"\[1\] .* output token 6"),
+        (_sample([5], [[-0.1, 5, None]], prompt_tokens=3), r"prompt_tokens = 3, the prompt has 2"),
+        (_sample([5], [[-0.1, 5, None]], finish="abort"), r"finish_reason .*abort"),
+        ({"output_ids": [5]}, r"no field 'meta_info.output_token_logprobs'"),
+        ([_sample([5], [[-0.1, 5, None]])] * 2, r"2 sample\(s\) in the answer, expected 1"),
+    ],
+    ids=["short_logprobs", "wrong_token", "wrong_prompt", "aborted", "no_logprobs", "too_many"],
+)
+def test_a_wrong_generate_answer_is_a_clear_error(scripted, answer, message):
+    server = scripted([(200, json.dumps(answer))])
+    with pytest.raises(SGLangError, match=message) as error:
+        _engine(server.url).generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    assert f"{server.url}, POST /generate" in str(error.value)
+
+
+def test_routed_experts_of_the_wrong_size_are_refused(scripted):
+    answer = _sample([5, 6], [[-0.1, 5, None], [-0.2, 6, None]])
+    # 3 positions x 4 layers x top-2 expected; 2 positions sent.
+    answer["meta_info"]["routed_experts"] = base64.b64encode(
+        np.zeros((2, 4, 2), dtype=np.int32).tobytes()
+    ).decode()
+    server = scripted([(200, json.dumps(answer))])
+    with pytest.raises(SGLangError, match=r"routed_experts holds 16 int32 values, expected 3 pos"):
+        _engine(server.url).generate(
+            [[1, 2]], SamplingParams(max_new_tokens=2), return_routed_experts=True
+        )
+
+
+def test_a_failed_weight_update_is_reported_and_blocks_generation(scripted):
+    server = scripted([(200, '{"success": true, "message": ""}'), (400, '{"success": false}')])
+    engine = _engine(server.url)
+    with pytest.raises(SGLangError, match=r"update_weights_from_tensor"):
+        engine.update_weights([[("w", torch.zeros(2))]], version=1)
+    with pytest.raises(SGLangError, match=r"did not complete; refusing to generate"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
