@@ -25,7 +25,8 @@ QUICK = RetryPolicy(deadline_s=1.5, timeout_s=0.5, first_backoff_s=0.05, max_bac
 
 
 class ScriptedServer:
-    """Answers each POST with the next (status, body) of `script` (the last one repeats)."""
+    """Answers each POST with the next (status, body) of `script` (the last one repeats), and
+    every GET with 200 (healthy)."""
 
     def __init__(self, script: list[tuple[int, str]]) -> None:
         self.script, self.requests = list(script), []
@@ -40,6 +41,10 @@ class ScriptedServer:
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
                 self.wfile.write(body.encode())
+
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.end_headers()
 
             def log_message(self, *args) -> None:
                 pass

@@ -73,9 +73,16 @@ class WeightSync(Protocol):
 
 
 def weight_update_session(servers: Sequence[ServerConnection], load: Callable[[], int]) -> int:
-    """Run `load` between `/begin_weight_update` and `/end_weight_update` on every server."""
+    """Run `load` between `/begin_weight_update` and `/end_weight_update` on every server. A
+    failed load still closes the session (so that a later update can open one); the servers
+    then hold partly updated weights, which the engine refuses to generate from."""
     _each(servers, lambda s: _checked(s.post("/begin_weight_update", {}), f"{s.url} begin"))
-    sent = load()
+    try:
+        sent = load()
+    except BaseException:
+        with contextlib.suppress(SGLangError):
+            _each(servers, lambda s: s.post("/end_weight_update", {}))
+        raise
     _each(servers, lambda s: _checked(s.post("/end_weight_update", {}), f"{s.url} end"))
     return sent
 

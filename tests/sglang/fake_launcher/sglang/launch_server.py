@@ -1,0 +1,39 @@
+"""Test-only stand-in for sglang.launch_server (see ../README.md)."""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    args, _ = parser.parse_known_args()
+    mode = os.environ.get("FAKE_SGLANG_MODE", "ok")
+    print(f"fake sglang: mode {mode}, argv {sys.argv[1:]}", flush=True)
+    if mode == "exit":
+        print("fake sglang: boom", flush=True)
+        sys.exit(3)
+    # A child in the same process group, as SGLang's scheduler and detokenizer are.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"fake sglang: child pid {child.pid}", flush=True)
+    if mode == "hang":
+        time.sleep(600)
+    HTTPServer((args.host, args.port), Health).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Server processes: started, waited for, logged and stopped by process group (with a stand-in
+launcher, tests/sglang/fake_launcher; the real server's start is covered by the session)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.rollout.sglang import LaunchSettings, ServerGroup, SGLangError
+from tests.sglang.test_http_errors import ScriptedServer, _closed_port
+
+FAKE = Path(__file__).resolve().parent / "fake_launcher"
+
+
+def _settings(mode: str, port: int, **changes) -> LaunchSettings:
+    defaults = {
+        "model_path": "unused",
+        "python": sys.executable,
+        "base_port": port,
+        "env": {"PYTHONPATH": str(FAKE), "FAKE_SGLANG_MODE": mode},
+        "startup_timeout_s": 20.0,
+    }
+    return LaunchSettings(**(defaults | changes))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie is gone but for its exit status (its parent, the launcher, was killed first).
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_servers_start_log_and_stop_with_their_children(tmp_path):
+    port = _closed_port()
+    group = ServerGroup(_settings("ok", port, num_servers=2, routed_experts=True), tmp_path)
+    with group:
+        assert group.urls == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+        assert all(server.connection.ping() for server in group.servers)
+        logs = [server.log_path.read_text() for server in group.servers]
+        children = [int(re.search(r"child pid (\d+)", log).group(1)) for log in logs]
+        launchers = [server.process.pid for server in group.servers]
+        assert "--enable-return-routed-experts" in logs[0] and "--skip-tokenizer-init" in logs[0]
+        assert f"'--port', '{port + 1}'" in logs[1]
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in children + launchers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in children + launchers)
+    assert not any(server.connection.ping() for server in group.servers)
+
+
+def test_a_server_that_exits_during_start_up_is_reported_with_its_log(tmp_path):
+    with pytest.raises(SGLangError, match=r"(?s)exited during start-up \(exit code 3\).*boom"):
+        ServerGroup(_settings("exit", _closed_port()), tmp_path).start()
+
+
+def test_a_server_that_never_gets_ready_is_stopped_after_the_deadline(tmp_path):
+    group = ServerGroup(_settings("hang", _closed_port(), startup_timeout_s=3.0), tmp_path)
+    with pytest.raises(SGLangError, match=r"did not answer /health within 3 s"):
+        group.start()
+    child = int(re.search(r"child pid (\d+)", group.servers[0].log_tail()).group(1))
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(child)
+
+
+def test_a_port_that_is_taken_is_not_used():
+    taken = ScriptedServer([(200, "{}")])
+    try:
+        port = int(taken.url.rsplit(":", 1)[1])
+        with pytest.raises(SGLangError, match="something already answers on this port"):
+            ServerGroup(_settings("ok", port), "/tmp").start()
+    finally:
+        taken.close()
