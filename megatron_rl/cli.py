@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -119,11 +120,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _train(args: argparse.Namespace) -> int:
     from megatron_rl.config import Recipe, load_config
     from megatron_rl.train import TrainingAborted, train
 
     recipe = load_config(Recipe, args.recipe, args.overrides)
+    # SIGTERM (a scheduler's preemption, torchrun stopping its workers) unwinds the run like an
+    # error, so that the rollout servers it started are stopped too.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         metrics = train(recipe, resume=args.resume)
     except TrainingAborted as error:

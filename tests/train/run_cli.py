@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,10 +36,15 @@ SHORT_RUN = [
 ]
 
 
-def _command(
-    run_dir: Path, overrides: list[str], nproc: int, resume: bool, module: str = "megatron_rl.cli"
+def train_command(
+    run_dir: Path,
+    overrides: list[str],
+    nproc: int,
+    resume: bool,
+    module: str = "megatron_rl.cli",
+    recipe: Path = RECIPE,
 ) -> list[str]:
-    train = ["train", str(RECIPE), *SHORT_RUN, f"run.dir={run_dir}", *overrides]
+    train = ["train", str(recipe), *SHORT_RUN, f"run.dir={run_dir}", *overrides]
     if resume:
         train.append("--resume")
     if nproc == 1:
@@ -55,7 +61,7 @@ def _command(
     ]
 
 
-def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+def train_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1") | (extra or {})
     for name in ("RANK", "WORLD_SIZE", "WANDB_API_KEY"):
         env.pop(name, None)
@@ -71,16 +77,27 @@ def train_cli(
     timeout: float = 300,
     module: str = "megatron_rl.cli",
     extra_env: dict[str, str] | None = None,
+    recipe: Path = RECIPE,
 ) -> subprocess.CompletedProcess:
-    """`megatron-rl train` (or `module`'s main, same arguments) on the short run + overrides."""
-    return subprocess.run(
-        _command(run_dir, list(overrides), nproc, resume, module),
-        cwd=REPO,
-        env=_environment(extra_env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """`megatron-rl train` (or `module`'s main, same arguments) on the short run of `recipe`
+    (the main one unless given) + overrides."""
+    # Output goes to files, not pipes: a helper the run leaves behind that outlives it (torch's
+    # shared-memory manager lives while an SGLang server holds tensors the run shared) would
+    # hold a pipe open and keep subprocess.run waiting for its end.
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.run(
+            train_command(run_dir, list(overrides), nproc, resume, module, recipe),
+            cwd=REPO,
+            env=train_environment(extra_env),
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            timeout=timeout,
+        )
+        stdout.seek(0)
+        stderr.seek(0)
+        process.stdout, process.stderr = stdout.read(), stderr.read()
+    return process
 
 
 def train_until_checkpoint(run_dir: Path, overrides: list[str], step: int) -> None:
@@ -88,9 +105,9 @@ def train_until_checkpoint(run_dir: Path, overrides: list[str], step: int) -> No
     children (megatron-core's checkpoint writer starts helper processes): the run is the
     leader of its own process group, and the group is killed by its id."""
     process = subprocess.Popen(
-        _command(run_dir, list(overrides), 1, False),
+        train_command(run_dir, list(overrides), 1, False),
         cwd=REPO,
-        env=_environment(),
+        env=train_environment(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

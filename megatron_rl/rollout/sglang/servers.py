@@ -111,6 +111,7 @@ class ManagedServer:
                 env=env,
                 start_new_session=True,
             )
+            log.write(f"=== pid {self.process.pid}\n".encode())
         self.starts += 1
 
     def wait_ready(self) -> None:

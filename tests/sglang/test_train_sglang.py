@@ -1,0 +1,102 @@
+"""`megatron-rl train` with SGLang rollouts: the CPU example recipe as shipped (the trainer
+starts and stops its own server), and the session's server used as an external one (the SLURM
+case) with each weight-sync method, R3 on SGLang's routed experts and engine log-probs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.sglang.conftest import CPU_RECIPE, REPO
+from tests.train.run_cli import read_metrics, train_cli, train_command, train_environment
+
+
+def _check(result, run_dir) -> dict[int, dict[str, float]]:
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    assert sorted(metrics) == [0, 1, 2]
+    for step in (1, 2):
+        record = metrics[step]
+        assert math.isfinite(record["loss/policy"]) and record["steps/skipped"] == 0
+        # The server computes in float32 like the trainer: the same log-probs, to float noise.
+        assert record["mismatch/k3"] < 1e-6
+        assert record["mismatch/abs_max"] < 1e-3
+        assert record["mismatch/frac_tau2"] == 0
+        # The probe after the step's sync: the server serves the trainer's new weights.
+        assert record["sync/probe_mean_abs_diff"] < 1e-4
+        assert record["sync/bytes"] > 5e6  # the whole tiny model (5.6 MB of float32)
+    assert 0 <= metrics[2]["eval/accuracy"] <= 1
+    return metrics
+
+
+def test_the_cpu_example_recipe_starts_its_own_server(tmp_path):
+    result = train_cli(tmp_path, [], recipe=CPU_RECIPE, timeout=600)
+    _check(result, tmp_path)
+    log = (tmp_path / "sglang" / "sglang_0.log").read_text()
+    assert "--port 30100" in log and "--dtype float32" in log
+    assert "--enable-return-routed-experts" not in log  # only R3 needs the routing
+    assert "Uvicorn running" in log
+
+
+@pytest.mark.parametrize(
+    ("method", "overrides"),
+    [
+        ("tensor", ["algo.loss=grpo", "algo.routing_replay=r3"]),
+        ("distributed", ["algo.use_engine_logprobs=true"]),
+        ("disk", ["algo.loss=sspo"]),
+    ],
+    ids=["r3_tensor", "engine_logprobs_distributed", "sspo_disk"],
+)
+def test_training_on_an_external_server(sglang_servers, base_weights, tmp_path, method, overrides):
+    url = sglang_servers.urls[0]
+    common = [
+        "rollout.backend=sglang",
+        f"rollout.sglang.urls=[{json.dumps(url)}]",
+        f"rollout.sglang.weight_sync={method}",
+        "rollout.probe_tolerance=1e-3",
+    ]
+    result = train_cli(tmp_path, common + overrides, timeout=600)
+    metrics = _check(result, tmp_path)
+    server = sglang_servers.servers[0].connection
+    assert server.get("/model_info")["weight_version"] == "2"
+    assert not (tmp_path / "sglang" / "sglang_0.log").exists()  # nothing was started
+    if "algo.routing_replay=r3" in overrides:
+        # SGLang's routed experts, placed on the training tokens and replayed.
+        assert metrics[1]["routing/record_bytes"] > 0
+        assert 0 <= metrics[2]["routing/drift_token_layer"] <= 1
+
+
+def test_sigterm_stops_the_servers_the_run_started(tmp_path):
+    command = train_command(tmp_path, ["run.steps=50"], 1, False, recipe=CPU_RECIPE)
+    run = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=train_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    log, metrics = tmp_path / "sglang" / "sglang_0.log", tmp_path / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 400
+        while not (metrics.is_file() and metrics.read_text().strip()):  # step 0 was evaluated
+            assert run.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.5)
+        server = int(re.search(r"=== pid (\d+)", log.read_text()).group(1))
+        os.kill(server, 0)  # running
+        run.send_signal(signal.SIGTERM)  # the trainer alone, not its process group
+        assert run.wait(timeout=60) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):  # the server's whole group is gone
+            os.killpg(server, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
