@@ -11,6 +11,7 @@ from pathlib import Path
 from megatron_rl.bench import convert as convert_bench
 from megatron_rl.bench import logprobs as logprobs_bench
 from megatron_rl.bench import replay as replay_bench
+from megatron_rl.bench import sglang as sglang_bench
 from megatron_rl.bench.loss_table import DriftBatchSpec, format_markdown, loss_table
 from megatron_rl.checkpoint import convert
 from megatron_rl.checkpoint.hf_files import check_output_dir
@@ -109,6 +110,20 @@ def _bench_replay(args: argparse.Namespace) -> int:
     report = replay_bench.run_benchmark(spec)
     print(replay_bench.format_markdown(report))
     json_path, md_path = replay_bench.write_report(report, Path(args.out))
+    print(f"\nwrote {json_path} and {md_path}")
+    return 0
+
+
+def _bench_sglang(args: argparse.Namespace) -> int:
+    spec = sglang_bench.SGLangBenchSpec(
+        recipe=args.recipe,
+        include_synthetic=not args.tiny_only,
+        repeats=args.repeats,
+        rollout_prompts=args.prompts,
+    )
+    report = sglang_bench.run_benchmark(spec, Path(args.workdir))
+    print(sglang_bench.format_markdown(report))
+    json_path, md_path = sglang_bench.write_report(report, Path(args.out))
     print(f"\nwrote {json_path} and {md_path}")
     return 0
 
@@ -225,6 +240,26 @@ def build_parser() -> argparse.ArgumentParser:
     replay_parser.add_argument("--rounds", type=_positive, default=2, help="alternating rounds")
     replay_parser.add_argument("--out", default="runs/bench")
     replay_parser.set_defaults(handler=_bench_replay)
+
+    sglang_parser = benches.add_parser(
+        "sglang",
+        help="SGLang weight-sync throughput vs memcpy, rollout tokens/s vs the local engine",
+    )
+    sglang_parser.add_argument(
+        "--recipe",
+        default="examples/moe/tiny_gspo_sglang.yaml",
+        help="recipe whose model and rollout.sglang settings start the servers",
+    )
+    sglang_parser.add_argument(
+        "--tiny-only", action="store_true", help="skip the ~1 GB synthetic model"
+    )
+    sglang_parser.add_argument("--repeats", type=_positive, default=3, help="syncs per method")
+    sglang_parser.add_argument("--prompts", type=_positive, default=32, help="rollout prompts")
+    sglang_parser.add_argument(
+        "--workdir", default="runs/bench/sglang-work", help="scratch space (removed after)"
+    )
+    sglang_parser.add_argument("--out", default="runs/bench")
+    sglang_parser.set_defaults(handler=_bench_sglang)
 
     convert_parser = commands.add_parser(
         "convert",

@@ -66,6 +66,9 @@ class LaunchSettings:
             self.dtype,
             # The trainer sends token ids and reads token ids; no text on either side.
             "--skip-tokenizer-init",
+            # Servers are idle while the trainer trains; without this the scheduler's event
+            # loop spins and takes a core from it.
+            "--sleep-on-idle",
         ]
         if self.routed_experts:
             args.append("--enable-return-routed-experts")
