@@ -11,6 +11,7 @@ import base64
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -26,9 +27,9 @@ QUICK = RetryPolicy(deadline_s=1.5, timeout_s=0.5, first_backoff_s=0.05, max_bac
 
 class ScriptedServer:
     """Answers each POST with the next (status, body) of `script` (the last one repeats), and
-    every GET with 200 (healthy)."""
+    every GET with 200 and an empty JSON object (healthy, nothing to report)."""
 
-    def __init__(self, script: list[tuple[int, str]]) -> None:
+    def __init__(self, script: list[tuple[int, str]], port: int = 0) -> None:
         self.script, self.requests = list(script), []
         owner = self
 
@@ -44,12 +45,14 @@ class ScriptedServer:
 
             def do_GET(self) -> None:
                 self.send_response(200)
+                self.send_header("Content-Type", "application/json")
                 self.end_headers()
+                self.wfile.write(b"{}")
 
             def log_message(self, *args) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -165,3 +168,67 @@ def test_a_failed_weight_update_is_reported_and_blocks_generation(scripted):
         engine.update_weights([[("w", torch.zeros(2))]], version=1)
     with pytest.raises(SGLangError, match=r"did not complete; refusing to generate"):
         engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+
+
+def test_a_server_that_comes_up_late_is_waited_for():
+    port = _closed_port()
+    late: list[ScriptedServer] = []
+
+    def start_late() -> None:
+        time.sleep(0.4)
+        late.append(ScriptedServer([(200, '{"ok": 2}')], port=port))
+
+    threading.Thread(target=start_late).start()
+    try:
+        assert ServerConnection(f"http://127.0.0.1:{port}", QUICK).post("/x", {}) == {"ok": 2}
+    finally:
+        for server in late:
+            server.close()
+
+
+def _answers(prompts: list[list[int]], n: int) -> str:
+    """A well-formed /generate answer: response [prompt[0], 9] for every sample."""
+    items = [
+        _sample([p[0], 9], [[-0.5, p[0], None], [-0.25, 9, None]], prompt_tokens=len(p))
+        for p in prompts
+        for _ in range(n)
+    ]
+    return json.dumps(items)
+
+
+def test_prompts_are_split_over_servers_and_answers_kept_in_order(scripted):
+    prompts = [[10 + i] * (1 + i % 3) for i in range(5)]
+    first = scripted([(200, _answers(prompts[:3], 2))])
+    second = scripted([(200, _answers(prompts[3:], 2))])
+    engine = SGLangEngine([first.url, second.url], TensorSync([1, 1]), retry=QUICK)
+    groups = engine.generate(prompts, SamplingParams(max_new_tokens=2), n=2, seed=7)
+    assert [group[0].prompt_ids for group in groups] == [tuple(p) for p in prompts]
+    assert all(group[1].response_ids == (group[1].prompt_ids[0], 9) for group in groups)
+    (path, body_1), (_, body_2) = first.requests[0], second.requests[0]
+    assert path == "/generate" and body_1["input_ids"] == prompts[:3]
+    assert body_2["input_ids"] == prompts[3:]
+    # One seed per server, so that their samples differ.
+    assert body_1["sampling_params"]["sampling_seed"] != body_2["sampling_params"]["sampling_seed"]
+    assert body_1["sampling_params"]["n"] == 2 and body_1["return_logprob"] is True
+
+
+def test_with_a_router_generation_goes_through_it_and_weights_to_every_server(scripted):
+    prompts = [[3, 4], [5, 6, 7]]
+    router = scripted([(200, _answers(prompts, 1))])
+    ok = '{"success": true, "message": ""}'
+    workers = [scripted([(200, ok)]) for _ in range(2)]
+    engine = SGLangEngine(
+        [w.url for w in workers], TensorSync([1, 1]), router_url=router.url, retry=QUICK
+    )
+    engine.generate(prompts, SamplingParams(max_new_tokens=2))
+    assert [path for path, _ in router.requests] == ["/generate"]
+    assert not any(path == "/generate" for w in workers for path, _ in w.requests)
+    with pytest.raises(SGLangError, match="weight version"):  # the stand-ins report none
+        engine.update_weights([[("w", torch.zeros(2))]], version=3)
+    for worker in workers:
+        paths = [path for path, _ in worker.requests]
+        assert paths == [
+            "/begin_weight_update",
+            "/update_weights_from_tensor",
+            "/end_weight_update",
+        ]
