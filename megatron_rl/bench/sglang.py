@@ -93,8 +93,9 @@ def _sync_model(
         times = []
         try:
             for version in range(spec.repeats):
+                start = time.perf_counter()
                 engine.update_weights(buckets, version)
-                times.append(engine.last_sync["sync/seconds"])
+                times.append(time.perf_counter() - start)
         finally:
             engine.close()
         seconds = statistics.median(times)

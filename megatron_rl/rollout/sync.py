@@ -10,12 +10,14 @@ collectives); rank 0, which holds the engine, decides, and every rank raises tog
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from megatron_rl.models.policy import Policy
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine import RolloutEngine, WeightBucket
 
 
 class WeightSyncMismatch(RuntimeError):
@@ -45,14 +47,35 @@ def sync_weights(
     stream = policy.weight_stream(bucket_bytes=settings.bucket_bytes)
     metrics: dict[str, float] = {}
     if engine is not None:
-        engine.update_weights(stream, version)
-        metrics |= getattr(engine, "last_sync", {})
+        counted = _Counted(stream)
+        start = time.perf_counter()
+        engine.update_weights(counted, version)
+        seconds = time.perf_counter() - start
+        metrics = {
+            "sync/bytes": float(counted.bytes),
+            "sync/seconds": seconds,
+            "sync/bytes_per_s": counted.bytes / seconds if seconds > 0 else 0.0,
+        }
     else:
         for _ in stream:
             pass
     if settings.probe_every and sync_count % settings.probe_every == 0:
         metrics |= _check_probe(policy, engine, probe, settings.probe_tolerance, version)
     return metrics
+
+
+class _Counted:
+    """The buckets of a weight stream, passed through with their bytes counted (and the
+    stream's manifest, which engines may check before anything is sent)."""
+
+    def __init__(self, stream: Iterable[WeightBucket]) -> None:
+        self.stream, self.bytes = stream, 0
+        self.manifest = getattr(stream, "manifest", None)
+
+    def __iter__(self) -> Iterator[WeightBucket]:
+        for bucket in self.stream:
+            self.bytes += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+            yield bucket
 
 
 def _check_probe(

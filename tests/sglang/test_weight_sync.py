@@ -55,9 +55,6 @@ def test_after_a_sync_the_server_computes_with_the_new_weights(
             assert engine.weight_version == version
             served = sglang_servers.servers[0].connection.get("/model_info")["weight_version"]
             assert served == str(version)
-            assert engine.last_sync["sync/bytes"] == sum(
-                t.numel() * t.element_size() for bucket in buckets for _, t in bucket
-            )
     finally:
         engine.close()
     if method == "disk":

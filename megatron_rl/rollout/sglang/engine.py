@@ -12,7 +12,6 @@ from stale weights.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -68,7 +67,6 @@ class SGLangEngine:
         self.tensor_shapes = tensor_shapes
         self._version = -1
         self._healthy = True
-        self.last_sync: dict[str, float] = {}
         if architecture is not None:
             self._check_architecture(architecture)
 
@@ -184,10 +182,8 @@ class SGLangEngine:
     def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Load `buckets` into every server; the engine refuses to generate until it is done."""
         self._healthy = False
-        start = time.perf_counter()
         checked = buckets if self.tensor_shapes is None else self._checked(buckets, version)
-        sent = self.weight_sync.push(self.servers, checked, str(version))
-        seconds = time.perf_counter() - start
+        self.weight_sync.push(self.servers, checked, str(version))
         for server in self.servers:
             served = server.get("/model_info").get("weight_version")
             if served != str(version):
@@ -197,11 +193,6 @@ class SGLangEngine:
                 )
         self._version = version
         self._healthy = True
-        self.last_sync = {
-            "sync/bytes": float(sent),
-            "sync/seconds": seconds,
-            "sync/bytes_per_s": sent / seconds if seconds > 0 else 0.0,
-        }
 
     def _checked(self, buckets: Iterable[WeightBucket], version: int) -> Iterable[WeightBucket]:
         """`buckets`, each checked against `tensor_shapes` before it is handed on; the stream's

@@ -63,8 +63,8 @@ class WeightSync(Protocol):
 
     def push(
         self, servers: Sequence[ServerConnection], buckets: Iterable[WeightBucket], version: str
-    ) -> int:
-        """Load every tensor of `buckets` into every server; returns the bytes sent."""
+    ) -> None:
+        """Load every tensor of `buckets` into every server."""
         ...
 
     def close(self, servers: Sequence[ServerConnection]) -> None:
@@ -72,19 +72,18 @@ class WeightSync(Protocol):
         ...
 
 
-def weight_update_session(servers: Sequence[ServerConnection], load: Callable[[], int]) -> int:
+def weight_update_session(servers: Sequence[ServerConnection], load: Callable[[], None]) -> None:
     """Run `load` between `/begin_weight_update` and `/end_weight_update` on every server. A
     failed load still closes the session (so that a later update can open one); the servers
     then hold partly updated weights, which the engine refuses to generate from."""
     _each(servers, lambda s: _checked(s.post("/begin_weight_update", {}), f"{s.url} begin"))
     try:
-        sent = load()
+        load()
     except BaseException:
         with contextlib.suppress(SGLangError):
             _each(servers, lambda s: s.post("/end_weight_update", {}))
         raise
     _each(servers, lambda s: _checked(s.post("/end_weight_update", {}), f"{s.url} end"))
-    return sent
 
 
 class DiskSync:
@@ -102,20 +101,20 @@ class DiskSync:
 
     def push(
         self, servers: Sequence[ServerConnection], buckets: Iterable[WeightBucket], version: str
-    ) -> int:
+    ) -> None:
         target = self.directory / f"weights_v{version}"
         staging = self.directory / f".weights_v{version}.partial"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        sent, index = 0, {}
+        total, index = 0, {}
         for number, bucket in enumerate(buckets):
             shard = f"model-{number:05d}.safetensors"
             tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in bucket}
             save_file(tensors, str(staging / shard))
             index |= dict.fromkeys(tensors, shard)
-            sent += sum(t.numel() * t.element_size() for t in tensors.values())
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
         (staging / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": sent}, "weight_map": index}, indent=1)
+            json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1)
         )
         for name in ("config.json", "generation_config.json"):
             if (self.hf_dir / name).is_file():
@@ -123,7 +122,7 @@ class DiskSync:
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
 
-        def load() -> int:
+        def load() -> None:
             body = {"model_path": str(target.resolve()), "weight_version": version}
             _each(
                 servers,
@@ -131,13 +130,11 @@ class DiskSync:
                     s.post("/update_weights_from_disk", body), f"{s.url} update_weights_from_disk"
                 ),
             )
-            return sent
 
-        sent = weight_update_session(servers, load)
+        weight_update_session(servers, load)
         previous, self.latest = self.latest, target
         if previous is not None and previous != target:
             shutil.rmtree(previous, ignore_errors=True)
-        return sent
 
     def close(self, servers: Sequence[ServerConnection]) -> None:
         if self.latest is not None:
@@ -167,14 +164,12 @@ class TensorSync:
 
     def push(
         self, servers: Sequence[ServerConnection], buckets: Iterable[WeightBucket], version: str
-    ) -> int:
-        def load() -> int:
-            sent = 0
+    ) -> None:
+        def load() -> None:
             for bucket in buckets:
                 # Copies: the server reads them after this call returns to the optimizer.
                 named = [(name, tensor.detach().clone()) for name, tensor in bucket]
                 payload = serialize_named_tensors(named)
-                sent += sum(t.numel() * t.element_size() for _, t in named)
 
                 def send(server: ServerConnection, tp_size: int, payload: str = payload) -> Any:
                     body = {
@@ -186,9 +181,8 @@ class TensorSync:
                     return _checked(server.post("/update_weights_from_tensor", body), where)
 
                 _each(list(zip(servers, self.tp_sizes, strict=True)), lambda pair: send(*pair))
-            return sent
 
-        return weight_update_session(servers, load)
+        weight_update_session(servers, load)
 
     def close(self, servers: Sequence[ServerConnection]) -> None:
         pass
@@ -329,13 +323,12 @@ class DistributedSync:
 
     def push(
         self, servers: Sequence[ServerConnection], buckets: Iterable[WeightBucket], version: str
-    ) -> int:
+    ) -> None:
         if self.group is None:
             self._open(servers)
         device = "cuda" if self.backend == "nccl" else "cpu"
 
-        def load() -> int:
-            sent = 0
+        def load() -> None:
             for bucket in buckets:
                 tensors = [tensor.detach().to(device).contiguous() for _, tensor in bucket]
                 body = {
@@ -356,10 +349,8 @@ class DistributedSync:
                         dist.broadcast(tensor, src=0, group=self.group)
                     for server, answer in zip(servers, answers, strict=True):
                         _checked(answer.result(), f"{server.url} update_weights_from_distributed")
-                sent += sum(t.numel() * t.element_size() for t in tensors)
-            return sent
 
-        return weight_update_session(servers, load)
+        weight_update_session(servers, load)
 
     def close(self, servers: Sequence[ServerConnection]) -> None:
         if self.group is None:
