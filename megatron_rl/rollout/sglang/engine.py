@@ -58,6 +58,8 @@ class SGLangEngine:
             raise ValueError("urls: at least one SGLang server is needed")
         self.managed = managed
         if managed is not None:
+            if list(urls) != managed.urls:
+                raise ValueError(f"urls: {list(urls)} are not the managed servers' {managed.urls}")
             self.servers = [server.connection for server in managed.servers]
         else:
             self.servers = [ServerConnection(url, retry) for url in urls]
