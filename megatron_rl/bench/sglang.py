@@ -36,6 +36,8 @@ from megatron_rl.rollout.sglang import SYNC_METHODS, ServerGroup, SGLangEngine, 
 class SGLangBenchSpec:
     recipe: str = "examples/moe/tiny_gspo_sglang.yaml"
     synthetic_layers: int = 12  # ~1 GB of bfloat16 weights at the convert benchmark's widths
+    # The synthetic model's server needs room for its weights beside the recipe's tiny budget.
+    synthetic_mem_fraction: float = 0.25
     include_synthetic: bool = True
     repeats: int = 3
     rollout_prompts: int = 32
@@ -149,7 +151,8 @@ def _rollout_speed(
 
 
 def run_benchmark(spec: SGLangBenchSpec, workdir: Path) -> dict[str, object]:
-    """Every measurement of the module docstring; `workdir` is scratch space (removed)."""
+    """Every measurement of the module docstring; `workdir` is scratch space (removed at the
+    end; kept, with the servers' logs, when a step fails)."""
     recipe = load_config(Recipe, spec.recipe)
     if workdir.exists():
         shutil.rmtree(workdir)
@@ -158,23 +161,21 @@ def run_benchmark(spec: SGLangBenchSpec, workdir: Path) -> dict[str, object]:
     config = dataclasses.replace(
         recipe.rollout.sglang, base_port=recipe.rollout.sglang.base_port + 50
     )
-    try:
-        models = {"tiny": Path(recipe.model.hf_path)}
-        if spec.include_synthetic:
-            synthetic = workdir / "synthetic_hf"
-            write_synthetic_checkpoint(
-                ConvertBenchSpec(num_layers=spec.synthetic_layers), synthetic
-            )
-            models["synthetic"] = synthetic
-        sync, rollout = {}, {}
-        for name, hf_dir in models.items():
-            settings = launch_settings(config, str(hf_dir))
-            with ServerGroup(settings, workdir / name / "logs") as servers:
-                sync[name] = _sync_model(spec, servers, hf_dir, workdir / name)
-                if name == "tiny":  # its own weights again: the recipe's model as shipped
-                    rollout = _rollout_speed(spec, recipe, servers, workdir / "rollout")
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    models = {"tiny": Path(recipe.model.hf_path)}
+    if spec.include_synthetic:
+        synthetic = workdir / "synthetic_hf"
+        write_synthetic_checkpoint(ConvertBenchSpec(num_layers=spec.synthetic_layers), synthetic)
+        models["synthetic"] = synthetic
+    sync, rollout = {}, {}
+    for name, hf_dir in models.items():
+        if name == "synthetic":
+            config = dataclasses.replace(config, mem_fraction_static=spec.synthetic_mem_fraction)
+        # Server logs stay in `workdir` (kept when a step fails) until the end.
+        with ServerGroup(launch_settings(config, str(hf_dir)), workdir / name / "logs") as servers:
+            sync[name] = _sync_model(spec, servers, hf_dir, workdir / name)
+            if name == "tiny":  # its own weights again: the recipe's model as shipped
+                rollout = _rollout_speed(spec, recipe, servers, workdir / "rollout")
+    shutil.rmtree(workdir)
     return {
         "spec": asdict(spec),
         "weight_sync": sync,
