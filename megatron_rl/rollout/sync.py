@@ -53,8 +53,7 @@ def sync_weights(
         seconds = time.perf_counter() - start
         metrics = {
             "sync/bytes": float(counted.bytes),
-            "sync/seconds": seconds,
-            "sync/bytes_per_s": counted.bytes / seconds if seconds > 0 else 0.0,
+            "throughput/weight_sync_bytes_per_s": counted.bytes / seconds if seconds else 0.0,
         }
     else:
         for _ in stream:
