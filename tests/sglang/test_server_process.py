@@ -37,7 +37,9 @@ def _gone(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
-def test_servers_start_log_and_stop_with_their_children(tmp_path):
+def test_servers_start_log_and_stop_with_their_children(tmp_path, monkeypatch):
+    for name, value in (("RANK", "1"), ("MASTER_PORT", "29500"), ("TORCHELASTIC_RUN_ID", "x")):
+        monkeypatch.setenv(name, value)  # as under torchrun
     port = _closed_port()
     group = ServerGroup(_settings("ok", port, num_servers=2, routed_experts=True), tmp_path)
     with group:
@@ -48,6 +50,8 @@ def test_servers_start_log_and_stop_with_their_children(tmp_path):
         launchers = [server.process.pid for server in group.servers]
         assert "--enable-return-routed-experts" in logs[0] and "--skip-tokenizer-init" in logs[0]
         assert f"'--port', '{port + 1}'" in logs[1]
+        none = "{'RANK': None, 'MASTER_PORT': None, 'TORCHELASTIC_RUN_ID': None}"
+        assert f"launcher variables {none}" in logs[0]  # torchrun's are not passed on
     deadline = time.monotonic() + 10
     while not all(_gone(pid) for pid in children + launchers) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -100,3 +100,11 @@ def test_sigterm_stops_the_servers_the_run_started(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(run.pid, signal.SIGKILL)
         run.wait()
+
+
+def test_two_ranks_with_expert_parallelism_start_a_server_of_their_own(tmp_path):
+    # The server is started by rank 0 under torchrun: it must not inherit torchrun's variables
+    # (it would try to join the trainer's job and hang).
+    overrides = ["parallel.ep=2", "rollout.sglang.weight_sync=distributed"]
+    result = train_cli(tmp_path, overrides, nproc=2, recipe=CPU_RECIPE, timeout=600)
+    _check(result, tmp_path)

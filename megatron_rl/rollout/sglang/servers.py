@@ -20,6 +20,25 @@ from pathlib import Path
 
 from megatron_rl.rollout.sglang.http import RetryPolicy, ServerConnection, SGLangError
 
+# What torchrun (torch.distributed.run) tells its workers. A server started by a worker must not
+# see them: SGLang initialises torch.distributed from the environment and would try to join the
+# trainer's job instead of starting its own.
+LAUNCHER_VARIABLES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
+
 # SGLang returns the log-probs of the temperature-scaled distribution unless this is set; the
 # trainer's log-probs are those of the model's own distribution (temperature 1).
 ORIGINAL_LOGPROBS_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
@@ -101,7 +120,12 @@ class ManagedServer:
                 "rollout.sglang.base_port, or give its url in rollout.sglang.urls to use it"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = os.environ | self.settings.env | ORIGINAL_LOGPROBS_ENV
+        inherited = {
+            name: value
+            for name, value in os.environ.items()
+            if name not in LAUNCHER_VARIABLES and not name.startswith("TORCHELASTIC_")
+        }
+        env = inherited | self.settings.env | ORIGINAL_LOGPROBS_ENV
         with open(self.log_path, "ab") as log:
             command = " ".join(self.settings.argv(self.index, model_path))
             log.write(f"\n=== start {self.starts + 1}: {command}\n".encode())

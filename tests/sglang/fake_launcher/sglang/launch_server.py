@@ -24,6 +24,10 @@ def main() -> None:
     args, _ = parser.parse_known_args()
     mode = os.environ.get("FAKE_SGLANG_MODE", "ok")
     print(f"fake sglang: mode {mode}, argv {sys.argv[1:]}", flush=True)
+    launcher = {
+        name: os.environ.get(name) for name in ("RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    }
+    print(f"fake sglang: launcher variables {launcher}", flush=True)
     if mode == "exit":
         print("fake sglang: boom", flush=True)
         sys.exit(3)
