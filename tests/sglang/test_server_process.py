@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.rollout.sglang import LaunchSettings, ServerGroup, SGLangError
+from tests.sglang.conftest import group_gone, live_group_members
 from tests.sglang.test_http_errors import ScriptedServer, _closed_port
 
 FAKE = Path(__file__).resolve().parent / "fake_launcher"
@@ -28,15 +28,6 @@ def _settings(mode: str, port: int, **changes) -> LaunchSettings:
     return LaunchSettings(**(defaults | changes))
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # A zombie is gone but for its exit status (its parent, the launcher, was killed first).
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-
-
 def test_servers_start_log_and_stop_with_their_children(tmp_path, monkeypatch):
     for name, value in (("RANK", "1"), ("MASTER_PORT", "29500"), ("TORCHELASTIC_RUN_ID", "x")):
         monkeypatch.setenv(name, value)  # as under torchrun
@@ -46,16 +37,16 @@ def test_servers_start_log_and_stop_with_their_children(tmp_path, monkeypatch):
         assert group.urls == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
         assert all(server.connection.ping() for server in group.servers)
         logs = [server.log_path.read_text() for server in group.servers]
-        children = [int(re.search(r"child pid (\d+)", log).group(1)) for log in logs]
         launchers = [server.process.pid for server in group.servers]
+        children = [int(re.search(r"child pid (\d+)", log).group(1)) for log in logs]
+        # Each server is a process group of its own, children included.
+        assert all(live_group_members(pid) for pid in launchers)
+        assert all(os.getpgid(child) == pid for child, pid in zip(children, launchers, strict=True))
         assert "--enable-return-routed-experts" in logs[0] and "--skip-tokenizer-init" in logs[0]
         assert f"'--port', '{port + 1}'" in logs[1]
         none = "{'RANK': None, 'MASTER_PORT': None, 'TORCHELASTIC_RUN_ID': None}"
         assert f"launcher variables {none}" in logs[0]  # torchrun's are not passed on
-    deadline = time.monotonic() + 10
-    while not all(_gone(pid) for pid in children + launchers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(_gone(pid) for pid in children + launchers)
+    assert all(group_gone(pid) for pid in launchers)
     assert not any(server.connection.ping() for server in group.servers)
 
 
@@ -68,11 +59,8 @@ def test_a_server_that_never_gets_ready_is_stopped_after_the_deadline(tmp_path):
     group = ServerGroup(_settings("hang", _closed_port(), startup_timeout_s=3.0), tmp_path)
     with pytest.raises(SGLangError, match=r"did not answer /health within 3 s"):
         group.start()
-    child = int(re.search(r"child pid (\d+)", group.servers[0].log_tail()).group(1))
-    deadline = time.monotonic() + 10
-    while not _gone(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _gone(child)
+    launcher = int(re.search(r"=== pid (\d+)", group.servers[0].log_tail()).group(1))
+    assert group_gone(launcher)  # the launcher and its child
 
 
 def test_a_port_that_is_taken_is_not_used():
