@@ -63,6 +63,15 @@ class Sample:
 WeightBucket = Sequence[tuple[str, Tensor]]
 
 
+def check_generate_request(prompts: Sequence[Sequence[int]], n: int) -> None:
+    """What every engine refuses before generating: n < 1, an empty prompt."""
+    if n < 1:
+        raise ValueError(f"n: expected >= 1, got {n}")
+    for index, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompts[{index}]: empty prompt")
+
+
 class RolloutEngine(Protocol):
     """A source of samples from the current policy."""
 

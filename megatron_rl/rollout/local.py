@@ -21,7 +21,12 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
-from megatron_rl.rollout.engine import Sample, SamplingParams, WeightBucket
+from megatron_rl.rollout.engine import (
+    Sample,
+    SamplingParams,
+    WeightBucket,
+    check_generate_request,
+)
 
 
 class WeightUpdateError(ValueError):
@@ -130,11 +135,7 @@ class LocalEngine:
         seed: int = 0,
         return_routed_experts: bool = False,
     ) -> list[list[Sample]]:
-        if n < 1:
-            raise ValueError(f"n: expected >= 1, got {n}")
-        for index, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompts[{index}]: empty prompt")
+        check_generate_request(prompts, n)
         if not self._healthy:
             raise RuntimeError("engine: a weight update did not complete; refusing to generate")
         flat = [tuple(prompt) for prompt in prompts for _ in range(n)]

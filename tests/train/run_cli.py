@@ -129,6 +129,16 @@ def train_until_checkpoint(run_dir: Path, overrides: list[str], step: int) -> No
         process.wait()
 
 
+def finished_run_metrics(
+    result: subprocess.CompletedProcess, run_dir: Path
+) -> dict[int, dict[str, float]]:
+    """The metrics of a short run (steps 0-2) that must have ended well."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    assert sorted(metrics) == [0, 1, 2]
+    return metrics
+
+
 def read_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]

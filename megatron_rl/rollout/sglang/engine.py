@@ -18,7 +18,12 @@ from typing import Any
 
 from torch import Tensor
 
-from megatron_rl.rollout.engine import Sample, SamplingParams, WeightBucket
+from megatron_rl.rollout.engine import (
+    Sample,
+    SamplingParams,
+    WeightBucket,
+    check_generate_request,
+)
 from megatron_rl.rollout.sglang.http import RetryPolicy, ServerConnection, ServerDied, SGLangError
 from megatron_rl.rollout.sglang.responses import parse_prompt_logprobs, parse_samples
 from megatron_rl.rollout.sglang.servers import ServerGroup
@@ -101,11 +106,7 @@ class SGLangEngine:
         promise the same samples for the same seed (batching changes the arithmetic). Besides
         `params.stop_token_ids`, SGLang stops at the model's own EOS tokens (its config), which
         the trainer's codec counts among its stop tokens anyway."""
-        if n < 1:
-            raise ValueError(f"n: expected >= 1, got {n}")
-        for index, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompts[{index}]: empty prompt")
+        check_generate_request(prompts, n)
         if return_routed_experts and self.routed_experts is None:
             raise ValueError(
                 "return_routed_experts: the engine was built without the model's (layers, topk)"
