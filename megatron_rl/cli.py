@@ -7,20 +7,21 @@ import json
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megatron_rl.bench import convert as convert_bench
-from megatron_rl.bench import logprobs as logprobs_bench
-from megatron_rl.bench import replay as replay_bench
-from megatron_rl.bench import sglang as sglang_bench
-from megatron_rl.bench.loss_table import DriftBatchSpec, format_markdown, loss_table
-from megatron_rl.checkpoint import convert
-from megatron_rl.checkpoint.hf_files import check_output_dir
-from megatron_rl.fileio import write_text_atomic
+# Subcommands import what they use when they run: importing megatron-core, transformers and
+# wandb takes seconds, and megatron-core's checkpoint writer starts a helper process that imports
+# this (the main) module again.
 from megatron_rl.parallel.dims import ParallelDims
-from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, shutdown_distributed
+
+if TYPE_CHECKING:
+    from megatron_rl.parallel.distributed import LaunchEnv
 
 
 def _losses(args: argparse.Namespace) -> int:
+    from megatron_rl.bench.loss_table import DriftBatchSpec, format_markdown, loss_table
+    from megatron_rl.fileio import write_text_atomic
+
     spec = DriftBatchSpec(seed=args.seed, routing_changed_frac=args.routing_changed_frac)
     rows = loss_table(spec)
     print(
@@ -37,6 +38,8 @@ def _losses(args: argparse.Namespace) -> int:
 
 
 def _bench_logprobs(args: argparse.Namespace) -> int:
+    from megatron_rl.bench import logprobs as logprobs_bench
+
     spec = logprobs_bench.LogprobBenchSpec(
         tokens=args.tokens,
         vocab=args.vocab,
@@ -53,6 +56,8 @@ def _bench_logprobs(args: argparse.Namespace) -> int:
 
 
 def _layout(args: argparse.Namespace) -> tuple[LaunchEnv, ParallelDims]:
+    from megatron_rl.parallel.distributed import LaunchEnv
+
     launch = LaunchEnv.from_environ()
     dims = ParallelDims(
         world_size=launch.world_size, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp
@@ -61,6 +66,10 @@ def _layout(args: argparse.Namespace) -> tuple[LaunchEnv, ParallelDims]:
 
 
 def _convert_hf_to_mcore(args: argparse.Namespace) -> int:
+    from megatron_rl.checkpoint import convert
+    from megatron_rl.checkpoint.hf_files import check_output_dir
+    from megatron_rl.parallel.distributed import init_distributed, shutdown_distributed
+
     source = convert.inspect_hf(Path(args.hf))
     check_output_dir(Path(args.out), overwrite=args.overwrite)
     launch, dims = _layout(args)
@@ -75,6 +84,10 @@ def _convert_hf_to_mcore(args: argparse.Namespace) -> int:
 
 
 def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
+    from megatron_rl.checkpoint import convert
+    from megatron_rl.checkpoint.hf_files import check_output_dir
+    from megatron_rl.parallel.distributed import init_distributed, shutdown_distributed
+
     convert.read_metadata(Path(args.ckpt))
     check_output_dir(Path(args.out), overwrite=args.overwrite)
     launch, dims = _layout(args)
@@ -95,6 +108,8 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
 
 
 def _bench_convert(args: argparse.Namespace) -> int:
+    from megatron_rl.bench import convert as convert_bench
+
     spec = convert_bench.ConvertBenchSpec(num_layers=args.layers, max_shard_mib=args.max_shard_mib)
     report = convert_bench.run_benchmark(spec, Path(args.workdir))
     print(convert_bench.format_markdown(report))
@@ -104,6 +119,8 @@ def _bench_convert(args: argparse.Namespace) -> int:
 
 
 def _bench_replay(args: argparse.Namespace) -> int:
+    from megatron_rl.bench import replay as replay_bench
+
     spec = replay_bench.ReplayBenchSpec(
         layers=tuple(args.layers), steps=args.steps, rounds=args.rounds, seq=args.seq
     )
@@ -115,6 +132,8 @@ def _bench_replay(args: argparse.Namespace) -> int:
 
 
 def _bench_sglang(args: argparse.Namespace) -> int:
+    from megatron_rl.bench import sglang as sglang_bench
+
     spec = sglang_bench.SGLangBenchSpec(
         recipe=args.recipe,
         include_synthetic=not args.tiny_only,
@@ -141,6 +160,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from megatron_rl.config import Recipe, load_config
+    from megatron_rl.parallel.distributed import LaunchEnv
     from megatron_rl.train import TrainingAborted, train
 
     recipe = load_config(Recipe, args.recipe, args.overrides)

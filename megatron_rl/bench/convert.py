@@ -1,27 +1,28 @@
 """Benchmark: checkpoint conversion in both directions against `cp` of the same bytes.
 
 A synthetic Qwen3-MoE-shaped Hugging Face checkpoint (random bfloat16 weights, about 2 GB by
-default) is written first. Then, in one run: `cp -r` of it (the baseline; also `cp -r && sync`,
-since megatron-core's checkpoint writer fsyncs what it writes), `convert hf-to-mcore`,
-`convert mcore-to-hf`, each in a fresh process whose peak resident memory (VmHWM) is read at its
-end. Targets: each conversion takes at most 3x the copy time, with peak memory below 2x the
-largest safetensors shard.
+default) is written first. Then, in one run, each step a fresh process started with nothing left
+to flush: three copies of it (see COPIES), then `megatron-rl convert hf-to-mcore` and
+`megatron-rl convert mcore-to-hf`, with the peak resident memory of each. Targets: each
+conversion takes at most 3x the copy time, with peak memory below 2x the largest safetensors
+shard.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from megatron_rl.bench.report import machine, now, resident_kib
+from megatron_rl.bench.report import machine, now
 from megatron_rl.bench.report import write_report as report_files
 from megatron_rl.checkpoint.hf_files import TensorSpec, write_safetensors_shards
 from megatron_rl.models.config import MoEModelConfig
@@ -100,17 +101,46 @@ def _megatron_shape(name: str, config: MoEModelConfig) -> tuple[int, ...]:
     return (config.vocab_size, hidden)  # embedding, output layer
 
 
+def _cli() -> str:
+    """The `megatron-rl` console script of this environment: the command users run."""
+    script = Path(sys.executable).with_name("megatron-rl")
+    if not script.is_file():
+        raise RuntimeError(f"{script} not found; install megatron-rl into this environment")
+    return str(script)
+
+
 def _timed(command: list[str]) -> dict[str, float]:
-    start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{command[:4]} failed:\n{done.stderr[-3000:]}")
-    report = {"seconds": seconds}
-    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    if last.startswith("{"):
-        report |= json.loads(last)
-    return report
+    """Wall time and peak resident memory (of its largest process) of `command`, started after
+    everything earlier was flushed to the disk, so that a step pays only for its own writes."""
+    subprocess.run(["sync"], check=True)
+    with tempfile.TemporaryFile() as stderr:
+        start = time.perf_counter()
+        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - start
+        child.returncode = os.waitstatus_to_exitcode(status)
+        if child.returncode != 0:
+            stderr.seek(0)
+            tail = stderr.read().decode(errors="replace")[-3000:]
+            raise RuntimeError(f"{command[:4]} failed ({child.returncode}):\n{tail}")
+    return {"seconds": seconds, "peak_rss_kib": usage.ru_maxrss}  # Linux: KiB
+
+
+# The copies the conversions are compared with. cp (coreutils 9) copies inside the kernel
+# (copy_file_range); a converter reads and writes the bytes through user space, as
+# `cp --reflink=never` does. Megatron-core's checkpoint writer and mcore-to-hf fsync their
+# files, so each copy is also timed until it is on the disk.
+COPIES = {
+    "cp": "cp -r '{src}' '{dst}'",
+    "cp+sync": "cp -r '{src}' '{dst}' && sync",
+    "cp-user+sync": "cp -r --reflink=never '{src}' '{dst}' && sync",
+}
+COPY_LABELS = {
+    "cp": "cp -r",
+    "cp+sync": "cp -r && sync",
+    "cp-user+sync": "cp -r --reflink=never && sync",
+}
+CONVERSIONS = ("hf-to-mcore", "mcore-to-hf")
 
 
 def run_benchmark(spec: ConvertBenchSpec, workdir: Path) -> dict[str, object]:
@@ -119,18 +149,18 @@ def run_benchmark(spec: ConvertBenchSpec, workdir: Path) -> dict[str, object]:
     hf_dir = workdir / "hf"
     weight_bytes = write_synthetic_checkpoint(spec, hf_dir)
     largest_shard = max(p.stat().st_size for p in hf_dir.glob("*.safetensors"))
-    subprocess.run(["sync"], check=True)  # start every timing with nothing left to flush
-    steps = {"cp": _timed(["cp", "-r", str(hf_dir), str(workdir / "hf-copy")])}
-    # megatron-core's checkpoint writer fsyncs its files, cp does not: a durable copy too
-    steps["cp+sync"] = _timed(["sh", "-c", f"cp -r '{hf_dir}' '{workdir / 'hf-copy-2'}' && sync"])
-    subprocess.run(["sync"], check=True)
-    me = [sys.executable, "-m", "megatron_rl.bench.convert", "--step"]
+    steps = {}
+    for name, template in COPIES.items():
+        target = workdir / f"copy-{name}"
+        steps[name] = _timed(["sh", "-c", template.format(src=hf_dir, dst=target)])
+        shutil.rmtree(target)
+    cli = _cli()
     steps["hf-to-mcore"] = _timed(
-        [*me, "convert", "hf-to-mcore", "--hf", str(hf_dir), "--out", str(workdir / "mcore")]
+        [cli, "convert", "hf-to-mcore", "--hf", str(hf_dir), "--out", str(workdir / "mcore")]
     )
     steps["mcore-to-hf"] = _timed(
         [
-            *me,
+            cli,
             "convert",
             "mcore-to-hf",
             "--ckpt",
@@ -141,20 +171,17 @@ def run_benchmark(spec: ConvertBenchSpec, workdir: Path) -> dict[str, object]:
             str(spec.max_shard_mib),
         ]
     )
-    copy = steps["cp"]["seconds"]
     report = {
         "spec": asdict(spec),
         "weight_bytes": weight_bytes,
         "largest_shard_bytes": largest_shard,
         "steps": steps,
-        "time_vs_copy": {k: steps[k]["seconds"] / copy for k in ("hf-to-mcore", "mcore-to-hf")},
-        "time_vs_durable_copy": {
-            k: steps[k]["seconds"] / steps["cp+sync"]["seconds"]
-            for k in ("hf-to-mcore", "mcore-to-hf")
+        "time_vs": {
+            copy: {k: steps[k]["seconds"] / steps[copy]["seconds"] for k in CONVERSIONS}
+            for copy in COPIES
         },
         "peak_vs_largest_shard": {
-            k: steps[k]["peak_rss_kib"] * 1024 / largest_shard
-            for k in ("hf-to-mcore", "mcore-to-hf")
+            k: steps[k]["peak_rss_kib"] * 1024 / largest_shard for k in CONVERSIONS
         },
         "machine": machine(),
         "date": now(),
@@ -170,16 +197,20 @@ def format_markdown(report: dict) -> str:
         f"weights, largest shard {report['largest_shard_bytes'] / 2**30:.2f} GiB; "
         f"{report['machine']['cpu']}, {report['machine']['cores']} cores, {report['date']}.",
         "",
-        "| step | time (s) | x cp | x (cp + sync) | peak RSS (GiB) | x largest shard |",
-        "|---|---|---|---|---|---|",
-        f"| cp -r | {steps['cp']['seconds']:.1f} | 1.00 | | | |",
-        f"| cp -r && sync | {steps['cp+sync']['seconds']:.1f} | | 1.00 | | |",
+        "| step | time (s) | "
+        + " | ".join(f"x ({COPY_LABELS[c]})" for c in COPIES)
+        + " | peak RSS (GiB) | x largest shard |",
+        "|---|---|" + "---|" * len(COPIES) + "---|---|",
     ]
-    for step in ("hf-to-mcore", "mcore-to-hf"):
-        peak = steps[step]["peak_rss_kib"] / 2**20
+    for copy in COPIES:
+        ratios = " | ".join("1.00" if c == copy else "" for c in COPIES)
+        lines.append(f"| {COPY_LABELS[copy]} | {steps[copy]['seconds']:.1f} | {ratios} | | |")
+    for step in CONVERSIONS:
+        ratios = [f"{report['time_vs'][c][step]:.2f}" for c in COPIES]
         lines.append(
-            f"| {step} | {steps[step]['seconds']:.1f} | {report['time_vs_copy'][step]:.2f} | "
-            f"{report['time_vs_durable_copy'][step]:.2f} | {peak:.2f} | "
+            f"| {step} | {steps[step]['seconds']:.1f} | "
+            + " | ".join(ratios)
+            + f" | {steps[step]['peak_rss_kib'] / 2**20:.2f} | "
             f"{report['peak_vs_largest_shard'][step]:.2f} |"
         )
     return "\n".join(lines)
@@ -187,20 +218,3 @@ def format_markdown(report: dict) -> str:
 
 def write_report(report: dict, out_dir: Path) -> tuple[Path, Path]:
     return report_files(report, out_dir, "convert", format_markdown)
-
-
-def _step_main() -> None:
-    """Run one CLI command in this process, then print its peak resident memory."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--step", nargs=argparse.REMAINDER, required=True)
-    args = parser.parse_args()
-    from megatron_rl.cli import main
-
-    code = main(args.step)
-    if code != 0:
-        sys.exit(code)
-    print(json.dumps({"peak_rss_kib": resident_kib("VmHWM")}))
-
-
-if __name__ == "__main__":
-    _step_main()

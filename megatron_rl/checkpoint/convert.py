@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from tqdm import tqdm
 
 from megatron_rl.checkpoint.hf_files import (
@@ -45,8 +46,26 @@ from megatron_rl.models.hf_weights import (
 )
 from megatron_rl.parallel.dims import ParallelDims
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 METADATA = "megatron_rl.json"
+
+# How `weights/` keys the model, by format version (the `metadata` of megatron-core's
+# `sharded_state_dict`). Format 1 stores each expert weight of all layers as one tensor of
+# layers x experts slices; saving and loading then compare every pair of slices for overlap
+# (megatron-core's and torch.distributed.checkpoint's validation), time that grows with the
+# square of layers x experts. Format 2 keys every layer and every expert on its own
+# (`singleton_local_shards`), so that checking is linear. Both reload at any TP/EP/PP.
+SHARDED_KEYS: dict[int, dict[str, bool] | None] = {1: None, 2: {"singleton_local_shards": True}}
+
+
+def model_sharded_state_dict(
+    model: torch.nn.Module, format_version: int = FORMAT_VERSION
+) -> ShardedStateDict:
+    """`model`'s (a megatron-core GPTModel, unwrapped) sharded state dict, keyed as checkpoints of
+    `format_version` key it."""
+    keys = SHARDED_KEYS[format_version]
+    # a fresh dict each call: megatron-core adds its process groups to the one it is given
+    return model.sharded_state_dict(metadata=None if keys is None else dict(keys))
 
 
 def _broadcast_path(path: Path | None) -> Path:
@@ -147,7 +166,7 @@ def hf_to_mcore(
             source.checkpoint.close()
         (staging / "weights").mkdir(exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(model.sharded_state_dict(), str(staging / "weights"))
+        dist_checkpointing.save(model_sharded_state_dict(model), str(staging / "weights"))
         if dist.get_rank() == 0:
             write_metadata(staging, family, config, source.checkpoint.directory)
         failed = False
@@ -169,7 +188,16 @@ def write_metadata(ckpt: Path, family: ModelFamily, config: MoEModelConfig, hf_d
     (ckpt / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
 
 
-def read_metadata(ckpt: Path) -> tuple[ModelFamily, MoEModelConfig]:
+@dataclass(frozen=True)
+class CheckpointMetadata:
+    """What `megatron_rl.json` says about a checkpoint."""
+
+    family: ModelFamily
+    config: MoEModelConfig
+    format_version: int
+
+
+def read_metadata(ckpt: Path) -> CheckpointMetadata:
     path = ckpt / METADATA
     if not path.is_file():
         raise ValueError(f"--ckpt {ckpt}: no {METADATA}; not a megatron-rl checkpoint")
@@ -179,8 +207,11 @@ def read_metadata(ckpt: Path) -> tuple[ModelFamily, MoEModelConfig]:
         config = MoEModelConfig(**metadata["model"])
     except (json.JSONDecodeError, KeyError, TypeError) as error:
         raise ValueError(f"{path}: unreadable ({error!r})") from None
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{path}: format {version}, this version reads {FORMAT_VERSION}")
+    if version not in SHARDED_KEYS:
+        raise ValueError(
+            f"{path}: format {version}, this version of megatron-rl reads formats "
+            f"{', '.join(map(str, SHARDED_KEYS))}"
+        )
     if architecture not in FAMILIES:
         raise ValueError(
             f"{path}: architecture {architecture!r} is not supported; supported: "
@@ -188,7 +219,7 @@ def read_metadata(ckpt: Path) -> tuple[ModelFamily, MoEModelConfig]:
         )
     if not (ckpt / "weights").is_dir():
         raise ValueError(f"--ckpt {ckpt}: the weights/ directory is missing")
-    return FAMILIES[architecture], config
+    return CheckpointMetadata(FAMILIES[architecture], config, version)
 
 
 def mcore_to_hf(
@@ -203,9 +234,10 @@ def mcore_to_hf(
 ) -> None:
     """Write a Hugging Face checkpoint (config.json, sharded safetensors with an index,
     tokenizer files) from a megatron-rl checkpoint; rank 0 writes, every rank streams."""
-    family, config = read_metadata(ckpt)
+    metadata = read_metadata(ckpt)
+    family, config = metadata.family, metadata.config
     model = build_gpt_moe(config, dims, initialize=False)
-    wanted = model.sharded_state_dict()
+    wanted = model_sharded_state_dict(model, metadata.format_version)
     loaded = dist_checkpointing.load(wanted, str(ckpt / "weights"))
     # A training checkpoint also holds the optimizer's state; only the model's is read.
     model.load_state_dict({key: value for key, value in loaded.items() if key in wanted})

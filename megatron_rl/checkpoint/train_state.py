@@ -27,7 +27,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megatron_rl.checkpoint.convert import write_metadata
+from megatron_rl.checkpoint.convert import (
+    FORMAT_VERSION,
+    model_sharded_state_dict,
+    read_metadata,
+    write_metadata,
+)
 from megatron_rl.fileio import write_text_atomic
 from megatron_rl.models.policy import Policy
 
@@ -48,8 +53,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
-def _sharded_state(policy: Policy, *, is_loading: bool) -> dict[str, Any]:
-    model = policy.model.module.sharded_state_dict()
+def _sharded_state(policy: Policy, *, is_loading: bool, format_version: int) -> dict[str, Any]:
+    model = model_sharded_state_dict(policy.model.module, format_version)
     optimizer = policy.optimizer.sharded_state_dict(model, is_loading=is_loading)
     return {"model": model, "optimizer": optimizer}
 
@@ -64,7 +69,10 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         (staging / "weights").mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(policy, is_loading=False), str(staging / "weights"))
+    dist_checkpointing.save(
+        _sharded_state(policy, is_loading=False, format_version=FORMAT_VERSION),
+        str(staging / "weights"),
+    )
     rng_path = staging / f"rng_rank{dist.get_rank()}.pt"
     with open(rng_path, "wb") as handle:
         torch.save(_rng_state(), handle)
@@ -109,7 +117,11 @@ def load_checkpoint(path: Path, policy: Policy) -> tuple[int, dict[str, Any]]:
             f"{path}: saved by {state['world_size']} ranks, resumed with "
             f"{dist.get_world_size()}; the RNG states are per rank"
         )
-    loaded = dist_checkpointing.load(_sharded_state(policy, is_loading=True), str(path / "weights"))
+    format_version = read_metadata(path).format_version
+    loaded = dist_checkpointing.load(
+        _sharded_state(policy, is_loading=True, format_version=format_version),
+        str(path / "weights"),
+    )
     policy.model.module.load_state_dict(loaded["model"])
     policy.optimizer.load_state_dict(loaded["optimizer"])
     policy.scheduler.load_state_dict(state["scheduler"])

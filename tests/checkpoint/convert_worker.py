@@ -3,14 +3,23 @@ conversions themselves on 1 or 2 ranks."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.checkpoint.convert import hf_to_mcore, inspect_hf, mcore_to_hf
+from megatron_rl.checkpoint.convert import (
+    METADATA,
+    hf_to_mcore,
+    inspect_hf,
+    mcore_to_hf,
+    model_sharded_state_dict,
+    read_metadata,
+)
 from megatron_rl.checkpoint.hf_files import HFCheckpoint
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.families import family_for
@@ -56,6 +65,44 @@ def convert_both_ways(launch: LaunchEnv, hf_dir: str, workdir: str, layout: dict
     hf_to_mcore(inspect_hf(Path(hf_dir)), ckpt, dims, progress=False)
     mcore_to_hf(ckpt, back, dims, max_shard_bytes=40_000, progress=False)
     return {"ckpt": str(ckpt), "back": str(back)}
+
+
+def convert_across_layouts(
+    launch: LaunchEnv,
+    hf_dir: str,
+    workdir: str,
+    save_layout: dict,
+    export_layout: dict,
+    format_version: int,
+) -> dict:
+    """hf-to-mcore at `save_layout`, rewritten in checkpoint format `format_version` (as an older
+    megatron-rl wrote it), then mcore-to-hf at `export_layout`; returns the saved tensor keys."""
+    dims = _dims(launch, save_layout)
+    init_distributed(dims, launch)
+    ckpt, back = Path(workdir) / "mcore", Path(workdir) / "hf-again"
+    hf_to_mcore(inspect_hf(Path(hf_dir)), ckpt, dims, progress=False)
+    metadata = read_metadata(ckpt)
+    if format_version != metadata.format_version:
+        model = build_gpt_moe(metadata.config, dims, initialize=False)
+        wanted = model_sharded_state_dict(model, metadata.format_version)
+        model.load_state_dict(dist_checkpointing.load(wanted, str(ckpt / "weights")))
+        older = Path(workdir) / "weights-older"
+        if dist.get_rank() == 0:
+            older.mkdir()
+        dist.barrier()
+        dist_checkpointing.save(model_sharded_state_dict(model, format_version), str(older))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(ckpt / "weights")
+            older.rename(ckpt / "weights")
+            fields = json.loads((ckpt / METADATA).read_text())
+            (ckpt / METADATA).write_text(json.dumps(fields | {"format": format_version}))
+        dist.barrier()
+    saved_keys = sorted(dist_checkpointing.load_tensors_metadata(str(ckpt / "weights")))
+    dims = _dims(launch, export_layout)
+    init_distributed(dims, launch)  # megatron-core's groups made again for the export layout
+    mcore_to_hf(ckpt, back, dims, max_shard_bytes=40_000, progress=False)
+    return {"saved_keys": saved_keys}
 
 
 def stream_report(launch: LaunchEnv, hf_dir: str, layout: dict, bucket_bytes: int) -> dict:

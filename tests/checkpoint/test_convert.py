@@ -48,12 +48,7 @@ def test_round_trip_is_bit_exact(hf_dir, layout, tmp_path):
         convert_worker.convert_both_ways, str(hf_dir), str(tmp_path), dims, world_size=world
     )
     back = tmp_path / "hf-again"
-    original, converted = _all_tensors(hf_dir), _all_tensors(back)
-    assert sorted(converted) == sorted(original)
-    for name, tensor in original.items():
-        assert converted[name].shape == tensor.shape, name
-        assert converted[name].dtype == tensor.dtype, name
-        assert torch.equal(converted[name], tensor), name
+    _assert_same_tensors(back, hf_dir)
     index = json.loads((back / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -62,6 +57,40 @@ def test_round_trip_is_bit_exact(hf_dir, layout, tmp_path):
     )
     assert (back / "tokenizer_config.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def _assert_same_tensors(directory, reference):
+    original, converted = _all_tensors(reference), _all_tensors(directory)
+    assert sorted(converted) == sorted(original)
+    for name, tensor in original.items():
+        assert converted[name].shape == tensor.shape, name
+        assert converted[name].dtype == tensor.dtype, name
+        assert torch.equal(converted[name], tensor), name
+
+
+@pytest.mark.parametrize("format_version", [1, 2])
+def test_checkpoint_of_either_format_exports_at_another_layout(hf_dir, format_version, tmp_path):
+    """Saved at TP=2/EP=2, exported at DP=2: the checkpoint reshards. Format 2 keys each expert
+    and layer on its own; format 1 (older checkpoints: experts as slices of one tensor) still
+    reads."""
+    reports = run_on_ranks(
+        convert_worker.convert_across_layouts,
+        str(hf_dir),
+        str(tmp_path),
+        LAYOUTS["tp2_ep2"][0],
+        {},
+        format_version,
+        world_size=2,
+    )
+    _assert_same_tensors(tmp_path / "hf-again", hf_dir)
+    keys = reports[0]["saved_keys"]
+    per_expert = [key for key in keys if ".mlp.experts." in key]
+    assert per_expert
+    if format_version == 2:
+        assert "decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight_w" in keys
+        assert not any(key.startswith("decoder.layers.mlp") for key in keys)
+    else:
+        assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in keys
 
 
 @pytest.mark.parametrize("layout", ["single", "tp2_ep2"])
