@@ -11,8 +11,8 @@ shard.
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +39,9 @@ class ConvertBenchSpec:
     moe_ffn_hidden_size: int = 384
     vocab_size: int = 32_000
     max_shard_mib: int = 5 * 1024  # Hugging Face's usual 5 GB shards
+    # the model of the checkpoint-key measurement (Qwen3-30B-A3B's layers and experts)
+    keys_layers: int = 48
+    keys_experts: int = 128
 
 
 def synthetic_config(spec: ConvertBenchSpec) -> MoEModelConfig:
@@ -109,21 +112,37 @@ def _cli() -> str:
     return str(script)
 
 
+# Runs a command; prints its wall time and the peak resident memory (KiB) of its largest
+# process. A small process of its own, because a child's peak starts at the peak of the process
+# that forked it (exec keeps the high-water mark of the forked copy), and this benchmark's own
+# process is hundreds of MB.
+_MEASURE = """
+import resource, subprocess, sys, time
+start = time.perf_counter()
+code = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
+seconds = time.perf_counter() - start
+print(code, seconds, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
 def _timed(command: list[str]) -> dict[str, float]:
     """Wall time and peak resident memory (of its largest process) of `command`, started after
     everything earlier was flushed to the disk, so that a step pays only for its own writes."""
     subprocess.run(["sync"], check=True)
     with tempfile.TemporaryFile() as stderr:
-        start = time.perf_counter()
-        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
-        _, status, usage = os.wait4(child.pid, 0)
-        seconds = time.perf_counter() - start
-        child.returncode = os.waitstatus_to_exitcode(status)
-        if child.returncode != 0:
+        done = subprocess.run(
+            [sys.executable, "-S", "-c", _MEASURE, *command],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            check=True,
+        )
+        code, seconds, peak_kib = done.stdout.split()
+        if int(code) != 0:
             stderr.seek(0)
             tail = stderr.read().decode(errors="replace")[-3000:]
-            raise RuntimeError(f"{command[:4]} failed ({child.returncode}):\n{tail}")
-    return {"seconds": seconds, "peak_rss_kib": usage.ru_maxrss}  # Linux: KiB
+            raise RuntimeError(f"{command[:4]} failed ({code}):\n{tail}")
+    return {"seconds": float(seconds), "peak_rss_kib": int(peak_kib)}
 
 
 # The copies the conversions are compared with. cp (coreutils 9) copies inside the kernel
@@ -141,22 +160,27 @@ COPY_LABELS = {
     "cp-user+sync": "cp -r --reflink=never && sync",
 }
 CONVERSIONS = ("hf-to-mcore", "mcore-to-hf")
+KEY_FORMAT_LABELS = {
+    1: "each expert weight one tensor of layers x experts slices",
+    2: "a key per layer and expert",
+}
+# What every conversion pays before it touches a tensor: the interpreter and the imports
+# (megatron-core, torch) of the conversion code.
+STARTUP = "start-up"
+STARTUP_IMPORTS = "import megatron_rl.checkpoint.convert, megatron_rl.parallel.distributed"
 
 
-def run_benchmark(spec: ConvertBenchSpec, workdir: Path) -> dict[str, object]:
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    hf_dir = workdir / "hf"
-    weight_bytes = write_synthetic_checkpoint(spec, hf_dir)
-    largest_shard = max(p.stat().st_size for p in hf_dir.glob("*.safetensors"))
+def _round(spec: ConvertBenchSpec, workdir: Path, hf_dir: Path) -> dict[str, dict[str, float]]:
+    """Every step once, in a fixed order; outputs are removed after each step that needs none."""
     steps = {}
     for name, template in COPIES.items():
         target = workdir / f"copy-{name}"
         steps[name] = _timed(["sh", "-c", template.format(src=hf_dir, dst=target)])
         shutil.rmtree(target)
-    cli = _cli()
+    steps[STARTUP] = _timed([sys.executable, "-c", STARTUP_IMPORTS])
+    cli, mcore, hf_back = _cli(), workdir / "mcore", workdir / "hf-back"
     steps["hf-to-mcore"] = _timed(
-        [cli, "convert", "hf-to-mcore", "--hf", str(hf_dir), "--out", str(workdir / "mcore")]
+        [cli, "convert", "hf-to-mcore", "--hf", str(hf_dir), "--out", str(mcore)]
     )
     steps["mcore-to-hf"] = _timed(
         [
@@ -164,15 +188,81 @@ def run_benchmark(spec: ConvertBenchSpec, workdir: Path) -> dict[str, object]:
             "convert",
             "mcore-to-hf",
             "--ckpt",
-            str(workdir / "mcore"),
+            str(mcore),
             "--out",
-            str(workdir / "hf-back"),
+            str(hf_back),
             "--max-shard-mib",
             str(spec.max_shard_mib),
         ]
     )
+    shutil.rmtree(mcore)
+    shutil.rmtree(hf_back)
+    return steps
+
+
+def time_checkpoint_keys(layers: int, experts: int, workdir: Path) -> dict[str, dict[str, float]]:
+    """Seconds to save and to load, with megatron-core's dist_checkpointing on one process, a
+    narrow model (hidden 64) of `layers` x `experts` experts keyed as each checkpoint format:
+    the checkpoint's bookkeeping, which grows with the number of expert weights, apart from
+    the bytes (a few MB here). Keyed by format version (as text, as in the JSON report)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.checkpoint.convert import SHARDED_KEYS, model_sharded_state_dict
+    from megatron_rl.models.build import build_gpt_moe
+    from megatron_rl.parallel.dims import ParallelDims
+    from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, shutdown_distributed
+
+    shape = ConvertBenchSpec(
+        num_layers=layers,
+        hidden_size=64,
+        num_experts=experts,
+        moe_ffn_hidden_size=32,
+        vocab_size=256,
+    )
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, LaunchEnv.from_environ())
+    try:
+        model = build_gpt_moe(synthetic_config(shape), dims, initialize=False)
+        # the first save starts megatron-core's result-queue process: not part of either format
+        (workdir / "warm-up").mkdir(parents=True)
+        dist_checkpointing.save(model_sharded_state_dict(model), str(workdir / "warm-up"))
+        times = {}
+        for version in SHARDED_KEYS:
+            directory = workdir / f"format-{version}"
+            directory.mkdir()
+            start = time.perf_counter()
+            dist_checkpointing.save(model_sharded_state_dict(model, version), str(directory))
+            saved = time.perf_counter()
+            wanted = model_sharded_state_dict(model, version)
+            model.load_state_dict(dist_checkpointing.load(wanted, str(directory)))
+            times[str(version)] = {
+                "save_seconds": saved - start,
+                "load_seconds": time.perf_counter() - saved,
+            }
+    finally:
+        shutdown_distributed()
+    return times
+
+
+def run_benchmark(spec: ConvertBenchSpec, workdir: Path, rounds: int = 3) -> dict[str, object]:
+    """`rounds` rounds of every step; each step's median time and its highest peak memory."""
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    hf_dir = workdir / "hf"
+    weight_bytes = write_synthetic_checkpoint(spec, hf_dir)
+    largest_shard = max(p.stat().st_size for p in hf_dir.glob("*.safetensors"))
+    runs = [_round(spec, workdir, hf_dir) for _ in range(rounds)]
+    steps = {
+        name: {
+            "seconds": statistics.median(run[name]["seconds"] for run in runs),
+            "runs_seconds": [run[name]["seconds"] for run in runs],
+            "peak_rss_kib": max(run[name]["peak_rss_kib"] for run in runs),
+        }
+        for name in runs[0]
+    }
     report = {
         "spec": asdict(spec),
+        "rounds": rounds,
         "weight_bytes": weight_bytes,
         "largest_shard_bytes": largest_shard,
         "steps": steps,
@@ -183,6 +273,9 @@ def run_benchmark(spec: ConvertBenchSpec, workdir: Path) -> dict[str, object]:
         "peak_vs_largest_shard": {
             k: steps[k]["peak_rss_kib"] * 1024 / largest_shard for k in CONVERSIONS
         },
+        "checkpoint_keys": time_checkpoint_keys(
+            spec.keys_layers, spec.keys_experts, workdir / "keys"
+        ),
         "machine": machine(),
         "date": now(),
     }
@@ -195,7 +288,8 @@ def format_markdown(report: dict) -> str:
     lines = [
         f"Synthetic Qwen3-MoE checkpoint, {report['weight_bytes'] / 2**30:.2f} GiB of bfloat16 "
         f"weights, largest shard {report['largest_shard_bytes'] / 2**30:.2f} GiB; "
-        f"{report['machine']['cpu']}, {report['machine']['cores']} cores, {report['date']}.",
+        f"{report['machine']['cpu']}, {report['machine']['cores']} cores, {report['date']}. "
+        f"Median of {report['rounds']} rounds; peak memory is the highest of them.",
         "",
         "| step | time (s) | "
         + " | ".join(f"x ({COPY_LABELS[c]})" for c in COPIES)
@@ -205,6 +299,11 @@ def format_markdown(report: dict) -> str:
     for copy in COPIES:
         ratios = " | ".join("1.00" if c == copy else "" for c in COPIES)
         lines.append(f"| {COPY_LABELS[copy]} | {steps[copy]['seconds']:.1f} | {ratios} | | |")
+    blanks = " | ".join("" for _ in COPIES)
+    lines.append(
+        f"| {STARTUP} (`python -c '{STARTUP_IMPORTS}'`) | {steps[STARTUP]['seconds']:.1f} | "
+        f"{blanks} | | |"
+    )
     for step in CONVERSIONS:
         ratios = [f"{report['time_vs'][c][step]:.2f}" for c in COPIES]
         lines.append(
@@ -212,6 +311,20 @@ def format_markdown(report: dict) -> str:
             + " | ".join(ratios)
             + f" | {steps[step]['peak_rss_kib'] / 2**20:.2f} | "
             f"{report['peak_vs_largest_shard'][step]:.2f} |"
+        )
+    spec = report["spec"]
+    lines += [
+        "",
+        f"Checkpoint bookkeeping: save and load of a narrow model (hidden 64) with "
+        f"{spec['keys_layers']} layers x {spec['keys_experts']} experts, one process.",
+        "",
+        "| checkpoint format | save (s) | load (s) |",
+        "|---|---|---|",
+    ]
+    for version, label in KEY_FORMAT_LABELS.items():
+        times = report["checkpoint_keys"][str(version)]
+        lines.append(
+            f"| {version}: {label} | {times['save_seconds']:.1f} | {times['load_seconds']:.1f} |"
         )
     return "\n".join(lines)
 
