@@ -111,7 +111,7 @@ def _bench_convert(args: argparse.Namespace) -> int:
     from megatron_rl.bench import convert as convert_bench
 
     spec = convert_bench.ConvertBenchSpec(num_layers=args.layers, max_shard_mib=args.max_shard_mib)
-    report = convert_bench.run_benchmark(spec, Path(args.workdir))
+    report = convert_bench.run_benchmark(spec, Path(args.workdir), rounds=args.rounds)
     print(convert_bench.format_markdown(report))
     json_path, md_path = convert_bench.write_report(report, Path(args.out))
     print(f"\nwrote {json_path} and {md_path}")
@@ -121,9 +121,7 @@ def _bench_convert(args: argparse.Namespace) -> int:
 def _bench_replay(args: argparse.Namespace) -> int:
     from megatron_rl.bench import replay as replay_bench
 
-    spec = replay_bench.ReplayBenchSpec(
-        layers=tuple(args.layers), steps=args.steps, rounds=args.rounds, seq=args.seq
-    )
+    spec = replay_bench.ReplayBenchSpec(layers=tuple(args.layers), pairs=args.pairs, seq=args.seq)
     report = replay_bench.run_benchmark(spec)
     print(replay_bench.format_markdown(report))
     json_path, md_path = replay_bench.write_report(report, Path(args.out))
@@ -244,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert_bench_parser.add_argument("--max-shard-mib", type=_positive, default=5 * 1024)
     convert_bench_parser.add_argument(
+        "--rounds", type=_positive, default=3, help="rounds of every step (medians reported)"
+    )
+    convert_bench_parser.add_argument(
         "--workdir", default="runs/bench/convert-work", help="scratch space (removed after)"
     )
     convert_bench_parser.add_argument("--out", default="runs/bench")
@@ -256,8 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--layers", type=_positive, nargs="+", default=[2, 16], help="model depths to measure"
     )
     replay_parser.add_argument("--seq", type=_positive, default=256, help="tokens per sequence")
-    replay_parser.add_argument("--steps", type=_positive, default=5, help="timed steps per run")
-    replay_parser.add_argument("--rounds", type=_positive, default=2, help="alternating rounds")
+    replay_parser.add_argument(
+        "--pairs", type=_positive, default=20, help="timed pairs of steps (one per mode)"
+    )
     replay_parser.add_argument("--out", default="runs/bench")
     replay_parser.set_defaults(handler=_bench_replay)
 

@@ -2,12 +2,13 @@
 
 A step is what GRPO + R2 does per batch: the old-policy forward over all micro-batches (with R2 it
 records the routing), then forward + backward of the policy loss (with R2 replaying it). Each
-(model, mode) runs in a fresh process; which mode runs first alternates over rounds, so that the
-shared machine's drift hits both. Reported: median step time; the peak of the bytes torch
-allocates during one (profiled, untimed) step, counted allocation by allocation, whose difference
-between the modes is the memory replay costs, next to the bytes the recorded routing holds
-(layers x tokens x topk x 8 bytes, for all micro-batches of the step); and, for reference, peak
-resident memory during the timed steps above the resident size before them.
+model depth runs in a fresh process holding both modes' models (same weights), whose steps
+alternate in pairs, first one mode first and then the other, so that the shared machine's drift
+hits both alike. Reported: median step time of each mode; the overhead as the median over pairs
+of (R2 / none - 1), with a bootstrap 95% interval; the peak of the bytes torch allocates during
+one (profiled, untimed) step, counted allocation by allocation, whose difference between the
+modes is the memory replay costs, next to the bytes the recorded routing holds (layers x tokens x
+topk x 8 bytes, for all micro-batches of the step).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.bench.report import allocation_peak, machine, now, reset_peak, resident_kib
+from megatron_rl.bench.report import allocation_peak, machine, median_interval, now
 from megatron_rl.bench.report import write_report as report_files
 from megatron_rl.models.config import MoEModelConfig
 
@@ -36,8 +37,7 @@ class ReplayBenchSpec:
     micro_batches: int = 4
     batch: int = 4
     seq: int = 256
-    steps: int = 5
-    rounds: int = 2
+    pairs: int = 20
 
 
 def bench_model(layers: int) -> MoEModelConfig:
@@ -55,8 +55,9 @@ def bench_model(layers: int) -> MoEModelConfig:
     )
 
 
-def run_mode(layers: int, mode: str, spec: ReplayBenchSpec) -> dict[str, float]:
-    """Timed steps of one (model, mode) in this process."""
+def run_depth(layers: int, spec: ReplayBenchSpec) -> dict[str, object]:
+    """Both modes on one model depth, in this process: two models with the same weights, one
+    built for replay, stepped in alternating order (ABBA) so that drift hits both alike."""
     from megatron_rl.models.build import build_gpt_moe, wrap_for_training
     from megatron_rl.moe.drift import routing_bytes
     from megatron_rl.moe.replay import RoutingReplay
@@ -71,9 +72,10 @@ def run_mode(layers: int, mode: str, spec: ReplayBenchSpec) -> dict[str, float]:
     dims = ParallelDims(world_size=1)
     init_distributed(dims, LaunchEnv.from_environ({}))
     config = bench_model(layers)
-    model = build_gpt_moe(config, dims, routing_replay=mode == "r2")
-    ddp = wrap_for_training(model)
-    replay = RoutingReplay(model) if mode == "r2" else None
+    models = {mode: build_gpt_moe(config, dims, routing_replay=mode == "r2") for mode in MODES}
+    models["r2"].load_state_dict(models["none"].state_dict())
+    ddps = {mode: wrap_for_training(model) for mode, model in models.items()}
+    replays = {"none": None, "r2": RoutingReplay(models["r2"])}
     gen = torch.Generator().manual_seed(0)
     shape = (spec.batch, spec.seq)
     batches = [
@@ -86,100 +88,83 @@ def run_mode(layers: int, mode: str, spec: ReplayBenchSpec) -> dict[str, float]:
         for _ in range(spec.micro_batches)
     ]
     loss = PolicyLossSpec("grpo", 0.2, 0.27)
-    held = 0
 
-    def clear() -> None:
+    def old_pass(mode: str) -> None:
         for batch in batches:
             batch.routing = None
-
-    def old_pass() -> None:
-        nonlocal held
         policy_forward_backward(
-            ddp, batches, loss, forward_only=True, replay=replay, record_routing=True
+            ddps[mode], batches, loss, forward_only=True, replay=replays[mode], record_routing=True
         )
-        if replay is not None:
-            held = routing_bytes([t for b in batches for t in b.routing])
 
-    def train_pass() -> None:
-        ddp.zero_grad_buffer()
-        policy_forward_backward(ddp, batches, loss, replay=replay)
+    def train_pass(mode: str) -> None:
+        ddps[mode].zero_grad_buffer()
+        policy_forward_backward(ddps[mode], batches, loss, replay=replays[mode])
 
-    def step() -> None:
-        clear()
-        old_pass()
-        train_pass()
-
-    step()
-    # Counted allocation by allocation: what the old pass leaves allocated (R2: its routing
-    # record), and the step's peak, which is the old pass's or the training pass's on top of it.
-    clear()
-    old_peak, kept = allocation_peak(old_pass)
-    train_peak, _ = allocation_peak(train_pass)
-    baseline = resident_kib("VmRSS")
-    reset_peak()
-    seconds = []
-    for _ in range(spec.steps):
+    def step(mode: str) -> float:
         start = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - start)
-    return {
-        "seconds_median": statistics.median(seconds),
-        "peak_extra_kib": resident_kib("VmHWM") - baseline,
-        "allocated_peak_bytes": max(old_peak, kept + train_peak),
-        "kept_after_old_pass_bytes": kept,
-        "routing_bytes": held,
-    }
+        old_pass(mode)
+        train_pass(mode)
+        return time.perf_counter() - start
+
+    result: dict[str, object] = {}
+    for mode in MODES:
+        step(mode)  # warm-up
+        # Counted allocation by allocation: what the old pass leaves allocated (R2: its routing
+        # record), and the step's peak, which is the old pass's or the training pass's on top.
+        old_peak, kept = allocation_peak(lambda mode=mode: old_pass(mode))
+        train_peak, _ = allocation_peak(lambda mode=mode: train_pass(mode))
+        result[f"allocated_peak_bytes_{mode}"] = max(old_peak, kept + train_peak)
+        result[f"kept_after_old_pass_bytes_{mode}"] = kept
+    old_pass("r2")
+    result["routing_bytes"] = routing_bytes([t for b in batches for t in b.routing])
+    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for pair in range(spec.pairs):
+        for mode in MODES if pair % 2 == 0 else MODES[::-1]:
+            seconds[mode].append(step(mode))
+    result["seconds"] = seconds
+    return result
 
 
 def run_benchmark(spec: ReplayBenchSpec) -> dict[str, object]:
-    results: dict[str, dict[str, list]] = {}
-    for round_index in range(spec.rounds):
-        # alternate which mode runs first, so that drift over time does not favour one
-        order = MODES if round_index % 2 == 0 else MODES[::-1]
-        for layers in spec.layers:
-            for mode in order:
-                command = [
-                    sys.executable,
-                    "-m",
-                    "megatron_rl.bench.replay",
-                    "--layers",
-                    str(layers),
-                    "--mode",
-                    mode,
-                    "--spec",
-                    json.dumps(asdict(spec)),
-                ]
-                done = subprocess.run(command, capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise RuntimeError(
-                        f"replay bench {layers}/{mode} failed:\n{done.stderr[-3000:]}"
-                    )
-                row = json.loads(done.stdout.strip().splitlines()[-1])
-                results.setdefault(f"{layers}/{mode}", {}).setdefault("runs", []).append(row)
-    summary = {}
+    runs = {}
     for layers in spec.layers:
-        base, r2 = (results[f"{layers}/{mode}"]["runs"] for mode in MODES)
-        base_time = statistics.median(r["seconds_median"] for r in base)
-        r2_time = statistics.median(r["seconds_median"] for r in r2)
-        summary[str(layers)] = {
+        command = [
+            sys.executable,
+            "-m",
+            "megatron_rl.bench.replay",
+            "--layers",
+            str(layers),
+            "--spec",
+            json.dumps(asdict(spec)),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"replay bench, {layers} layers, failed:\n{done.stderr[-3000:]}")
+        runs[str(layers)] = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = {}
+    for layers, run in runs.items():
+        none, r2 = (run["seconds"][mode] for mode in MODES)
+        overheads = [b / a - 1 for a, b in zip(none, r2, strict=True)]
+        low, high = median_interval(overheads)
+        summary[layers] = {
             "tokens_per_step": spec.micro_batches * spec.batch * spec.seq,
-            "seconds_none": base_time,
-            "seconds_r2": r2_time,
-            "time_overhead": r2_time / base_time - 1,
-            "peak_extra_kib_none": statistics.median(r["peak_extra_kib"] for r in base),
-            "peak_extra_kib_r2": statistics.median(r["peak_extra_kib"] for r in r2),
-            "allocated_peak_bytes_none": base[0]["allocated_peak_bytes"],
-            "allocated_peak_bytes_r2": r2[0]["allocated_peak_bytes"],
-            "allocated_overhead_bytes": r2[0]["allocated_peak_bytes"]
-            - base[0]["allocated_peak_bytes"],
-            "kept_overhead_bytes": r2[0]["kept_after_old_pass_bytes"]
-            - base[0]["kept_after_old_pass_bytes"],
-            "routing_bytes": r2[0]["routing_bytes"],
+            "seconds_none": statistics.median(none),
+            "seconds_r2": statistics.median(r2),
+            "time_overhead": statistics.median(overheads),
+            "time_overhead_low": low,
+            "time_overhead_high": high,
+            "allocated_peak_bytes_none": run["allocated_peak_bytes_none"],
+            "allocated_peak_bytes_r2": run["allocated_peak_bytes_r2"],
+            "allocated_overhead_bytes": run["allocated_peak_bytes_r2"]
+            - run["allocated_peak_bytes_none"],
+            "kept_overhead_bytes": run["kept_after_old_pass_bytes_r2"]
+            - run["kept_after_old_pass_bytes_none"],
+            "routing_bytes": run["routing_bytes"],
         }
     return {
         "spec": asdict(spec),
         "summary": summary,
-        "runs": results,
+        "runs": runs,
         "machine": machine(),
         "date": now(),
     }
@@ -189,23 +174,23 @@ def format_markdown(report: dict) -> str:
     spec = report["spec"]
     lines = [
         f"Training step (old-policy forward + GRPO forward/backward), {spec['micro_batches']} "
-        f"micro-batches of {spec['batch']} x {spec['seq']} tokens, median of {spec['steps']} steps "
-        f"x {spec['rounds']} rounds; {report['machine']['cpu']}, {report['machine']['cores']} "
-        f"cores, {report['date']}.",
+        f"micro-batches of {spec['batch']} x {spec['seq']} tokens; {spec['pairs']} pairs of steps "
+        f"(one per mode, alternating order), medians, the overhead's 95% interval by bootstrap; "
+        f"{report['machine']['cpu']}, {report['machine']['cores']} cores, {report['date']}.",
         "",
-        "| layers | step, no replay (s) | step, R2 (s) | time overhead | held from old pass to "
-        "update, R2 - none (MiB) | recorded routing (MiB) | peak allocated, no replay / R2 (MiB) "
-        "| peak RSS above start, no replay / R2 (MiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| layers | step, no replay (s) | step, R2 (s) | time overhead (95% interval) | held from "
+        "old pass to update, R2 - none (MiB) | recorded routing (MiB) | peak allocated, no "
+        "replay / R2 (MiB) |",
+        "|---|---|---|---|---|---|---|",
     ]
     mib = 2**20
     for layers, row in report["summary"].items():
         lines.append(
             f"| {layers} | {row['seconds_none']:.3f} | {row['seconds_r2']:.3f} | "
-            f"{100 * row['time_overhead']:+.1f}% | {row['kept_overhead_bytes'] / mib:.4f} | "
+            f"{100 * row['time_overhead']:+.1f}% ({100 * row['time_overhead_low']:+.1f}% to "
+            f"{100 * row['time_overhead_high']:+.1f}%) | {row['kept_overhead_bytes'] / mib:.4f} | "
             f"{row['routing_bytes'] / mib:.4f} | {row['allocated_peak_bytes_none'] / mib:.2f} / "
-            f"{row['allocated_peak_bytes_r2'] / mib:.2f} | "
-            f"{row['peak_extra_kib_none'] / 1024:.1f} / {row['peak_extra_kib_r2'] / 1024:.1f} |"
+            f"{row['allocated_peak_bytes_r2'] / mib:.2f} |"
         )
     return "\n".join(lines)
 
@@ -217,7 +202,6 @@ def write_report(report: dict, out_dir: Path) -> tuple[Path, Path]:
 def _worker_main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, required=True)
-    parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--spec", required=True)
     args = parser.parse_args()
     fields = json.loads(args.spec)
@@ -225,7 +209,7 @@ def _worker_main() -> None:
     from megatron_rl.parallel.distributed import shutdown_distributed
 
     try:
-        result = run_mode(args.layers, args.mode, spec)
+        result = run_depth(args.layers, spec)
     finally:
         shutdown_distributed()  # a process group left alive can abort the interpreter's exit
     print(json.dumps(result))

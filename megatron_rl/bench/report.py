@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
+import statistics
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,6 +45,19 @@ def allocation_peak(run: Callable[[], object]) -> tuple[int, int]:
         current += event.nbytes()
         peak = max(peak, current)
     return peak, current
+
+
+def median_interval(
+    values: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """A bootstrap interval for the median of `values`: the central `level` share of the
+    medians of `resamples` samples drawn with replacement (seeded, so reports reproduce)."""
+    draw = random.Random(seed)
+    medians = sorted(
+        statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    tail = round((1 - level) / 2 * resamples)
+    return medians[tail], medians[resamples - 1 - tail]
 
 
 def cpu_model() -> str:

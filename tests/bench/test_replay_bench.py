@@ -1,4 +1,4 @@
-"""The replay benchmark runs both modes in fresh processes and reports per depth.
+"""The replay benchmark runs both modes in a fresh process per depth and reports per depth.
 (A smoke test at a tiny size: the figures come from `megatron-rl bench replay`.)"""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from megatron_rl.bench import replay as replay_bench
 
 
 def test_bench_replay_runs_and_reports(tmp_path):
-    spec = replay_bench.ReplayBenchSpec(
-        layers=(2,), micro_batches=2, batch=2, seq=16, steps=1, rounds=1
-    )
+    spec = replay_bench.ReplayBenchSpec(layers=(2,), micro_batches=2, batch=2, seq=16, pairs=3)
     report = replay_bench.run_benchmark(spec)
     row = report["summary"]["2"]
     assert row["seconds_none"] > 0 and row["seconds_r2"] > 0
+    assert all(len(report["runs"]["2"]["seconds"][mode]) == 3 for mode in ("none", "r2"))
+    assert row["time_overhead_low"] <= row["time_overhead"] <= row["time_overhead_high"]
     # recorded routing of a step: layers x tokens x topk x 8 bytes
     assert row["routing_bytes"] == 2 * (2 * 2 * 16) * 2 * 8
     json_path, md_path = replay_bench.write_report(report, tmp_path)
@@ -21,6 +21,23 @@ def test_bench_replay_runs_and_reports(tmp_path):
     # micro-batch's indices are held by the model in both modes), and nothing more.
     assert 0 < row["kept_overhead_bytes"] <= row["routing_bytes"]
     assert 0 <= row["allocated_overhead_bytes"] <= row["routing_bytes"]
+
+
+def test_median_interval_brackets_the_median_and_narrows_with_more_values():
+    import random
+    import statistics
+
+    from megatron_rl.bench.report import median_interval
+
+    draw = random.Random(1)
+    few = [draw.gauss(0.03, 0.05) for _ in range(10)]
+    many = [draw.gauss(0.03, 0.05) for _ in range(400)]
+    low, high = median_interval(few)
+    assert low <= statistics.median(few) <= high
+    low_many, high_many = median_interval(many)
+    assert high_many - low_many < (high - low) / 2
+    assert low_many < 0.03 < high_many
+    assert median_interval(many) == (low_many, high_many)  # seeded: reports reproduce
 
 
 def test_allocation_peak_counts_torch_allocations():
