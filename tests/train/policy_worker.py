@@ -137,3 +137,57 @@ def weight_sync(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
         result["after_sync"] = float((logp - fresh).abs().max())
         result["version"] = engine.weight_version
     return result
+
+
+def checkpoint_round_trip(
+    launch: LaunchEnv, hf_dir: str, directory: str, format_version: int
+) -> dict[str, object]:
+    """Save a policy after one update in checkpoint format `format_version` (format 1 as an older
+    megatron-rl wrote it), load it into a fresh policy; report what differs."""
+    from pathlib import Path
+
+    from megatron_rl.checkpoint import convert, train_state
+
+    dims = ParallelDims(world_size=launch.world_size, ep=launch.world_size)
+    init_distributed(dims, launch, seed=5)
+    engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
+    batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
+    saved = Policy(hf_dir, dims, OptimizerSettings(lr=1e-3))
+    _one_update(saved, batch, launch)
+    # an older writer: both the weights' keys and megatron_rl.json's format field
+    train_state.FORMAT_VERSION = convert.FORMAT_VERSION = format_version
+    path = train_state.save_checkpoint(Path(directory), 1, saved, {"seen": 8}, keep=1)
+    fresh = Policy(hf_dir, dims, OptimizerSettings(lr=1e-3))
+    step, trainer = train_state.load_checkpoint(path, fresh)
+    weights = fresh.model.module.state_dict()
+    restored = dict(_tensors(fresh.optimizer.state_dict()))
+    optimizer = dict(_tensors(saved.optimizer.state_dict()))
+    return {
+        "step": step,
+        "trainer": trainer,
+        "format": convert.read_metadata(path).format_version,
+        "weights_differ": [
+            name
+            for name, tensor in saved.model.module.state_dict().items()
+            if isinstance(tensor, torch.Tensor) and not torch.equal(tensor, weights[name])
+        ],
+        "parameters": sum(1 for _ in saved.model.module.parameters()),
+        "optimizer_tensors": len(optimizer),
+        "optimizer_differ": [
+            where
+            for where, tensor in optimizer.items()
+            if where not in restored or not torch.equal(tensor, restored[where])
+        ],
+    }
+
+
+def _tensors(tree: object, where: str = ""):
+    """Every tensor of a nested dict/list state, with its path."""
+    if isinstance(tree, torch.Tensor):
+        yield where, tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _tensors(value, f"{where}/{key}")
+    elif isinstance(tree, list | tuple):
+        for index, value in enumerate(tree):
+            yield from _tensors(value, f"{where}/{index}")

@@ -32,3 +32,23 @@ def test_the_sync_probe_passes_after_each_sync_and_stops_every_rank_on_lost_upda
     for result in results:
         assert "the engine is not serving the trainer's weights" in result["error"]
         assert "weight sync 2" in result["error"]
+
+
+@pytest.mark.parametrize("format_version", [1, 2])
+def test_a_training_checkpoint_of_either_format_restores_weights_and_optimizer(
+    format_version, tmp_path
+):
+    results = run_on_ranks(
+        policy_worker.checkpoint_round_trip,
+        TINY_MODEL,
+        str(tmp_path),
+        format_version,
+        world_size=2,
+    )
+    for result in results:
+        assert result["format"] == format_version
+        assert (result["step"], result["trainer"]) == (1, {"seen": 8})
+        assert result["weights_differ"] == []
+        # at least Adam's two moments of every parameter of this rank
+        assert result["optimizer_tensors"] >= 2 * result["parameters"] > 0
+        assert result["optimizer_differ"] == []
