@@ -11,6 +11,7 @@ shard.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -150,9 +151,9 @@ def _timed(command: list[str]) -> dict[str, float]:
 # `cp --reflink=never` does. Megatron-core's checkpoint writer and mcore-to-hf fsync their
 # files, so each copy is also timed until it is on the disk.
 COPIES = {
-    "cp": "cp -r '{src}' '{dst}'",
-    "cp+sync": "cp -r '{src}' '{dst}' && sync",
-    "cp-user+sync": "cp -r --reflink=never '{src}' '{dst}' && sync",
+    "cp": "cp -r {src} {dst}",
+    "cp+sync": "cp -r {src} {dst} && sync",
+    "cp-user+sync": "cp -r --reflink=never {src} {dst} && sync",
 }
 COPY_LABELS = {
     "cp": "cp -r",
@@ -175,7 +176,8 @@ def _round(spec: ConvertBenchSpec, workdir: Path, hf_dir: Path) -> dict[str, dic
     steps = {}
     for name, template in COPIES.items():
         target = workdir / f"copy-{name}"
-        steps[name] = _timed(["sh", "-c", template.format(src=hf_dir, dst=target)])
+        copy = template.format(src=shlex.quote(str(hf_dir)), dst=shlex.quote(str(target)))
+        steps[name] = _timed(["sh", "-c", copy])
         shutil.rmtree(target)
     steps[STARTUP] = _timed([sys.executable, "-c", STARTUP_IMPORTS])
     cli, mcore, hf_back = _cli(), workdir / "mcore", workdir / "hf-back"

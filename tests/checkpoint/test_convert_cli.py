@@ -99,3 +99,15 @@ def test_overwrite_replaces_a_finished_conversion(hf, tmp_path):
         "Qwen3MoeForCausalLM"
     )
     assert _leftovers(tmp_path) == []
+
+
+def test_a_checkpoint_of_an_unknown_format_is_refused(hf, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    done = _cli("convert", "hf-to-mcore", "--hf", str(hf), "--out", str(ckpt))
+    assert done.returncode == 0, done.stderr
+    metadata = ckpt / "megatron_rl.json"
+    metadata.write_text(json.dumps(json.loads(metadata.read_text()) | {"format": 99}))
+    out = tmp_path / "back"
+    assert main(["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out)]) == 2
+    assert "format 99, this version of megatron-rl reads formats 1, 2" in capsys.readouterr().err
+    assert not out.exists()
