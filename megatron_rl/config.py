@@ -376,6 +376,10 @@ class OptimConfig:
     """Adam beta2."""
     adam_eps: float = 1e-8
     """Adam epsilon."""
+    distributed_optimizer: bool = True
+    """Shard Adam's moments and the fp32 main weights over data-parallel ranks (megatron-core's
+    distributed optimizer): each rank keeps 1/DP of the optimizer state. Off: every
+    data-parallel rank keeps all of it."""
 
     def validate(self) -> None:
         _positive("optim", self, "lr", "clip_grad", "adam_eps")

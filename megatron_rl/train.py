@@ -208,6 +208,7 @@ def _optimizer_settings(recipe: Recipe) -> OptimizerSettings:
         clip_grad=optim.clip_grad,
         adam_betas=(optim.adam_beta1, optim.adam_beta2),
         adam_eps=optim.adam_eps,
+        distributed=optim.distributed_optimizer,
     )
 
 

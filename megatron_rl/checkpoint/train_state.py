@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_rl.checkpoint.convert import (
     FORMAT_VERSION,
@@ -35,6 +37,7 @@ from megatron_rl.checkpoint.convert import (
 )
 from megatron_rl.fileio import write_text_atomic
 from megatron_rl.models.policy import Policy
+from megatron_rl.parallel.dims import ParallelDims
 
 LATEST = "latest"
 
@@ -53,10 +56,33 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
+# The distributed optimizer's state is saved bucket by bucket as it lies on the ranks (no
+# gathering; resharding only over DP), as Megatron-LM does by default. megatron-core 0.16.1's own
+# default, "fully_sharded_model_space", cannot be saved: its flattened ShardedTensors are refused
+# by dist_checkpointing ("ShardedTensor.flattened_range is not supported").
+DISTRIBUTED_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def _sharded_state(policy: Policy, *, is_loading: bool, format_version: int) -> dict[str, Any]:
     model = model_sharded_state_dict(policy.model.module, format_version)
-    optimizer = policy.optimizer.sharded_state_dict(model, is_loading=is_loading)
+    optimizer = policy.optimizer.sharded_state_dict(
+        model, is_loading=is_loading, metadata=DISTRIBUTED_OPTIMIZER_METADATA
+    )
     return {"model": model, "optimizer": optimizer}
+
+
+def _allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
+    """Give a distributed optimizer that has not stepped yet its Adam state, to load into.
+
+    With torch's Adam (no Transformer Engine or Apex installed), `DistributedOptimizer.state_dict`
+    reads the step count from the per-parameter state (optimizer/distrib_optimizer.py:640-642) and
+    fails on an optimizer that has none yet. megatron-core fills such a state with placeholder
+    values (a step on zero gradients) before loading in its FSDP path; the same is done here, and
+    the checkpoint then overwrites every value.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
 
 
 def save_checkpoint(
@@ -83,6 +109,8 @@ def save_checkpoint(
         state = {
             "step": step,
             "world_size": dist.get_world_size(),
+            "layout": policy.dims.describe(),
+            "distributed_optimizer": _distributed_optimizer(policy),
             "scheduler": policy.scheduler.state_dict(),
             "trainer": trainer_state,
         }
@@ -108,22 +136,53 @@ def latest_checkpoint(directory: Path) -> Path | None:
     return path
 
 
+def _distributed_optimizer(policy: Policy) -> bool:
+    return policy.model.ddp_config.use_distributed_optimizer
+
+
+def check_resumable(
+    path: Path, state: dict[str, Any], dims: ParallelDims, distributed_optimizer: bool
+) -> None:
+    """Refuse to resume checkpoint `path` (its trainer.json `state`) at another layout or with
+    the other optimizer: the RNG states are per rank, and the distributed optimizer's state is
+    saved as its ranks hold it."""
+    if state["world_size"] != dims.world_size:
+        raise ValueError(
+            f"{path}: saved by {state['world_size']} ranks, resumed with "
+            f"{dims.world_size}; the RNG states are per rank"
+        )
+    layout = dims.describe()
+    if state.get("layout", layout) != layout:
+        raise ValueError(
+            f"{path}: saved at layout [{state['layout']}], resumed at [{layout}]; resume at the "
+            "saved layout, or export the checkpoint (megatron-rl convert mcore-to-hf) and start "
+            "a new run from the export"
+        )
+    # Checkpoints from before the field existed were written by the plain optimizer.
+    saved = state.get("distributed_optimizer", False)
+    if saved != distributed_optimizer:
+        raise ValueError(
+            f"{path}: saved with optim.distributed_optimizer={str(saved).lower()}, resumed with "
+            f"{str(not saved).lower()}; set optim.distributed_optimizer={str(saved).lower()} to "
+            "resume it"
+        )
+
+
 def load_checkpoint(path: Path, policy: Policy) -> tuple[int, dict[str, Any]]:
     """Restore `policy` (model, optimizer, scheduler) and this rank's RNGs from `path`;
     returns the step it was saved after and the loop's own state."""
     state = json.loads((path / "trainer.json").read_text())
-    if state["world_size"] != dist.get_world_size():
-        raise ValueError(
-            f"{path}: saved by {state['world_size']} ranks, resumed with "
-            f"{dist.get_world_size()}; the RNG states are per rank"
-        )
+    check_resumable(path, state, policy.dims, _distributed_optimizer(policy))
     format_version = read_metadata(path).format_version
+    _allocate_optimizer_state(policy.optimizer)
     loaded = dist_checkpointing.load(
         _sharded_state(policy, is_loading=True, format_version=format_version),
         str(path / "weights"),
     )
     policy.model.module.load_state_dict(loaded["model"])
-    policy.optimizer.load_state_dict(loaded["optimizer"])
+    # The distributed optimizer copies fp32 main weights in place into views of the parameters.
+    with torch.no_grad():
+        policy.optimizer.load_state_dict(loaded["optimizer"])
     policy.scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
     return state["step"], state["trainer"]

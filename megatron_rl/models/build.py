@@ -171,14 +171,20 @@ def build_gpt_moe(
     )
 
 
-def wrap_for_training(model: GPTModel) -> DistributedDataParallel:
+def wrap_for_training(
+    model: GPTModel, *, distributed_optimizer: bool = True
+) -> DistributedDataParallel:
     """Megatron-Core's DDP wrapper: gradients in fp32 `main_grad` buffers, reduced over DP in
-    `finalize_model_grads` (no averaging: the policy loss brings its own global denominator)."""
-    on_gpu = torch.cuda.is_available()
+    `finalize_model_grads` (no averaging: the policy loss brings its own global denominator).
+
+    With `distributed_optimizer` the gradients are reduce-scattered instead of all-reduced, and
+    the optimizer built on this wrapper (`build_optimizer`) keeps Adam's state and the fp32 main
+    weights of its own 1/DP shard only, all-gathering the updated weights after each step.
+    """
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=on_gpu,
+        use_distributed_optimizer=distributed_optimizer,
         average_in_collective=False,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
@@ -193,7 +199,7 @@ def build_optimizer(
     adam_betas: tuple[float, float] = (0.9, 0.999),
     adam_eps: float = 1e-8,
 ) -> MegatronOptimizer:
-    """Megatron-Core's Adam (the distributed optimizer on GPU, the plain one on CPU)."""
+    """Megatron-Core's Adam; the distributed optimizer when `model` was wrapped for it."""
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr,

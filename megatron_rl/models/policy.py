@@ -40,6 +40,7 @@ class OptimizerSettings:
     clip_grad: float = 1.0
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
+    distributed: bool = True  # Adam's state sharded over DP (megatron-core's DistributedOptimizer)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Policy:
         routing_replay: bool = True,
     ) -> None:
         self.hf_dir = Path(hf_dir)
+        self.dims = dims
         source = inspect_hf(self.hf_dir)
         self.family, self.config = source.family, source.config
         model = build_gpt_moe(
@@ -89,7 +91,7 @@ class Policy:
         )
         source.checkpoint.close()
         self.replay = RoutingReplay(model) if routing_replay else None
-        self.model = wrap_for_training(model)
+        self.model = wrap_for_training(model, distributed_optimizer=optimizer.distributed)
         self.optimizer = build_optimizer(
             self.model,
             lr=optimizer.lr,

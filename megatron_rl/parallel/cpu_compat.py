@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,6 +253,48 @@ def _clip_grads_on_host() -> None:
     )
 
 
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float16: "torch.cuda.HalfTensor",
+}
+
+
+@contextlib.contextmanager
+def _host_tensors_typed_as_cuda() -> Iterator[None]:
+    """While active, `tensor.type()` of a floating host tensor names its CUDA type."""
+    host_type = torch.Tensor.type
+
+    def type_name(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return host_type(self, *args, **kwargs)
+
+    torch.Tensor.type = type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = host_type
+
+
+def _distributed_optimizer_host_params() -> None:
+    # optimizer/distrib_optimizer.py:361, 420 and 582 (in DistributedOptimizer.__init__ and the
+    # _build_model_and_main_param_groups it calls) sort parameters by `param.type()`, accepting
+    # only 'torch.cuda.{Float,Half,BFloat16}Tensor' and raising TypeError for anything else.
+    # Host parameters are sorted the same way by their dtype while the optimizer is built;
+    # everything it does afterwards (reduce-scatter of gradients, all-gather of parameters) runs
+    # on gloo as it is.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    cuda_only_init = DistributedOptimizer.__init__
+
+    def init(self: DistributedOptimizer, *args: Any, **kwargs: Any) -> None:
+        with _host_tensors_typed_as_cuda():
+            cuda_only_init(self, *args, **kwargs)
+
+    _patch("distributed_optimizer_host_params", DistributedOptimizer, "__init__", init)
+
+
 @dataclass(frozen=True)
 class CpuPatch:
     name: str
@@ -269,6 +311,7 @@ PATCHES = (
     CpuPatch("norm_sequence_parallel", _norm_sequence_parallel),
     CpuPatch("host_tensor_factories", _host_tensor_factories),
     CpuPatch("clip_grads_on_host", _clip_grads_on_host),
+    CpuPatch("distributed_optimizer_host_params", _distributed_optimizer_host_params),
 )
 
 

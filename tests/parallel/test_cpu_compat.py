@@ -158,3 +158,32 @@ def test_clip_grads_on_host():
     torch.testing.assert_close(param.grad, torch.full((4,), 3.0 / (6.0 + 1e-6)))
     megatron_optimizer.clip_grad_by_total_norm_fp32([param], max_norm=10.0, total_norm=6.0)
     torch.testing.assert_close(param.grad, torch.full((4,), 3.0 / (6.0 + 1e-6)))  # unclipped
+
+
+def test_distributed_optimizer_host_params():
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+    def build_groups(param: torch.nn.Parameter) -> tuple:
+        # the smallest input of the parameter sorting the optimizer's __init__ runs: one bucket
+        # holding one whole parameter, in one group
+        return DistributedOptimizer._build_model_and_main_param_groups(
+            [{param.dtype: [{"param_map": {param: {"param": Range(0, param.numel())}}}]}],
+            {param: (0, param.dtype, 0)},
+            [{"params": [param], "orig_group": {}}],
+            OptimizerConfig(),
+        )
+
+    param = torch.nn.Parameter(torch.ones(2, 3))
+    with pytest.raises(TypeError, match=r"must be one of torch\.cuda\.FloatTensor"):
+        build_groups(param)  # upstream still refuses host parameters
+    with cpu_compat._host_tensors_typed_as_cuda():
+        assert param.type() == "torch.cuda.FloatTensor"
+        assert param.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+        assert torch.zeros(2, dtype=torch.int64).type() == "torch.LongTensor"
+        assert param.type(torch.float64).dtype == torch.float64  # conversions pass through
+        _, model_fp32_groups, _, shard_fp32_groups, _ = build_groups(param)
+    assert model_fp32_groups == [[param]] and shard_fp32_groups[0][0].shape == (6,)
+    assert param.type() == "torch.FloatTensor"  # only while the optimizer is being built
+    patched = DistributedOptimizer.__init__
+    assert patched is not cpu_compat.original("distributed_optimizer_host_params", "__init__")

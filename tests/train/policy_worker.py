@@ -140,10 +140,11 @@ def weight_sync(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
 
 
 def checkpoint_round_trip(
-    launch: LaunchEnv, hf_dir: str, directory: str, format_version: int
+    launch: LaunchEnv, hf_dir: str, directory: str, format_version: int, distributed: bool
 ) -> dict[str, object]:
     """Save a policy after one update in checkpoint format `format_version` (format 1 as an older
-    megatron-rl wrote it), load it into a fresh policy; report what differs."""
+    megatron-rl wrote it), with the distributed or the plain optimizer, load it into a fresh
+    policy; report what differs."""
     from pathlib import Path
 
     from megatron_rl.checkpoint import convert, train_state
@@ -152,16 +153,17 @@ def checkpoint_round_trip(
     init_distributed(dims, launch, seed=5)
     engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
     batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
-    saved = Policy(hf_dir, dims, OptimizerSettings(lr=1e-3))
+    settings = OptimizerSettings(lr=1e-3, distributed=distributed)
+    saved = Policy(hf_dir, dims, settings)
     _one_update(saved, batch, launch)
     # an older writer: both the weights' keys and megatron_rl.json's format field
     train_state.FORMAT_VERSION = convert.FORMAT_VERSION = format_version
     path = train_state.save_checkpoint(Path(directory), 1, saved, {"seen": 8}, keep=1)
-    fresh = Policy(hf_dir, dims, OptimizerSettings(lr=1e-3))
+    fresh = Policy(hf_dir, dims, settings)
     step, trainer = train_state.load_checkpoint(path, fresh)
     weights = fresh.model.module.state_dict()
-    restored = dict(_tensors(fresh.optimizer.state_dict()))
-    optimizer = dict(_tensors(saved.optimizer.state_dict()))
+    restored = dict(_adam_tensors(fresh.optimizer))
+    optimizer = dict(_adam_tensors(saved.optimizer))
     return {
         "step": step,
         "trainer": trainer,
@@ -171,7 +173,12 @@ def checkpoint_round_trip(
             for name, tensor in saved.model.module.state_dict().items()
             if isinstance(tensor, torch.Tensor) and not torch.equal(tensor, weights[name])
         ],
-        "parameters": sum(1 for _ in saved.model.module.parameters()),
+        "parameters_numel": sum(p.numel() for p in saved.model.module.parameters()),
+        "main_weights": len(_main_weights(saved.optimizer)),
+        "main_weights_numel": sum(w.numel() for w in _main_weights(saved.optimizer)),
+        "optimizers": sorted(
+            {type(inner).__name__ for inner in fresh.optimizer.chained_optimizers}
+        ),
         "optimizer_tensors": len(optimizer),
         "optimizer_differ": [
             where
@@ -179,6 +186,24 @@ def checkpoint_round_trip(
             if where not in restored or not torch.equal(tensor, restored[where])
         ],
     }
+
+
+def _main_weights(optimizer: object) -> list[torch.Tensor]:
+    """The weights Adam updates on this rank: its shard's fp32 copies with the distributed
+    optimizer, the parameters themselves with the plain one."""
+    return [
+        weight
+        for inner in optimizer.chained_optimizers
+        for group in inner.optimizer.param_groups
+        for weight in group["params"]
+    ]
+
+
+def _adam_tensors(optimizer: object):
+    """This rank's Adam state (moments and step per weight) and its main weights."""
+    for index, inner in enumerate(optimizer.chained_optimizers):
+        yield from _tensors(inner.optimizer.state_dict(), f"{index}")
+    yield from _tensors(_main_weights(optimizer), "main")
 
 
 def _tensors(tree: object, where: str = ""):

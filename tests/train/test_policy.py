@@ -34,21 +34,32 @@ def test_the_sync_probe_passes_after_each_sync_and_stops_every_rank_on_lost_upda
         assert "weight sync 2" in result["error"]
 
 
-@pytest.mark.parametrize("format_version", [1, 2])
-def test_a_training_checkpoint_of_either_format_restores_weights_and_optimizer(
-    format_version, tmp_path
+@pytest.mark.parametrize(
+    ("format_version", "distributed"),
+    [(1, False), (2, False), (2, True)],
+    ids=["format1_plain", "format2_plain", "format2_distributed"],
+)
+def test_a_training_checkpoint_restores_weights_and_optimizer(
+    format_version, distributed, tmp_path
 ):
     results = run_on_ranks(
         policy_worker.checkpoint_round_trip,
         TINY_MODEL,
         str(tmp_path),
         format_version,
+        distributed,
         world_size=2,
     )
     for result in results:
         assert result["format"] == format_version
+        assert result["optimizers"] == ["DistributedOptimizer" if distributed else "FP32Optimizer"]
         assert (result["step"], result["trainer"]) == (1, {"seen": 8})
         assert result["weights_differ"] == []
-        # at least Adam's two moments of every parameter of this rank
-        assert result["optimizer_tensors"] >= 2 * result["parameters"] > 0
+        # Adam's two moments and step, and the weight itself, of every weight Adam updates here
+        assert result["optimizer_tensors"] == 4 * result["main_weights"] > 0
         assert result["optimizer_differ"] == []
+    # The distributed optimizer keeps only a share of the replicated (non-expert) weights on
+    # each of the 2 data-parallel ranks; the plain one keeps all of every rank's parameters.
+    main = sum(result["main_weights_numel"] for result in results)
+    local = sum(result["parameters_numel"] for result in results)
+    assert main < local if distributed else main == local

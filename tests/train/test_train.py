@@ -1,8 +1,10 @@
 """`megatron-rl train` end to end on the shipped tiny model: each loss with and without routing
-replay, 2 ranks with EP=2, exact resume after a kill, non-finite steps, bad input."""
+replay, 2 ranks with EP=2, exact resume after a kill and what a resume refuses, non-finite steps,
+bad input."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -12,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_rl.checkpoint.train_state import check_resumable
+from megatron_rl.parallel.dims import ParallelDims
 from tests.train.run_cli import (
     finished_run_metrics,
     read_metrics,
@@ -127,6 +131,31 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     assert again.returncode == 2
     assert "holds checkpoints of an earlier run" in again.stderr and "--resume" in again.stderr
     assert (tmp_path / "checkpoints" / "step_000001" / "trainer.json").is_file()
+
+
+def test_a_checkpoint_resumes_only_at_its_layout_and_with_its_optimizer(tmp_path):
+    assert train_cli(tmp_path, ["run.steps=1"]).returncode == 0
+    path = tmp_path / "checkpoints" / "step_000001"
+    state = json.loads((path / "trainer.json").read_text())
+    assert state["distributed_optimizer"] is True  # the default
+    assert state["layout"] == ParallelDims(world_size=1).describe()
+
+    other = train_cli(tmp_path, ["run.steps=2", "optim.distributed_optimizer=false"], resume=True)
+    assert other.returncode != 0
+    assert "saved with optim.distributed_optimizer=true, resumed with false" in other.stderr
+
+    # the same checks on this checkpoint's trainer.json, as if it had been saved on 2 ranks
+    on_two = {**state, "world_size": 2, "layout": ParallelDims(world_size=2, ep=2).describe()}
+    check_resumable(path, on_two, ParallelDims(world_size=2, ep=2), True)
+    with pytest.raises(ValueError, match=r"saved at layout \[world 2 = .*ep2.*\], resumed at"):
+        check_resumable(path, on_two, ParallelDims(world_size=2), True)
+    with pytest.raises(ValueError, match="saved by 2 ranks, resumed with 1"):
+        check_resumable(path, on_two, ParallelDims(world_size=1), True)
+    # written before these fields existed: by the plain optimizer, at an unrecorded layout
+    older = {"world_size": 2}
+    check_resumable(path, older, ParallelDims(world_size=2, tp=2), False)
+    with pytest.raises(ValueError, match=r"set optim\.distributed_optimizer=false to resume it"):
+        check_resumable(path, older, ParallelDims(world_size=2), True)
 
 
 def test_bad_recipes_fail_before_training(tmp_path):

@@ -1,0 +1,77 @@
+"""Worker for the distributed-optimizer test: the same model, weights and batches trained by
+megatron-core's plain optimizer and by its distributed optimizer, in one layout on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.models.build import build_gpt_moe, build_optimizer, wrap_for_training
+from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, set_model_parallel
+from megatron_rl.parallel.schedule import PolicyLossSpec, policy_forward_backward
+from tests.parallel.invariance import TINY_MOE, micro_batches
+
+STEPS = 3
+SPEC = PolicyLossSpec("gspo", 3e-2, 4e-2)
+
+
+def _train(dims: ParallelDims, distributed: bool, batches: list) -> dict:
+    set_model_parallel(dims)  # re-seeds: both runs start from the same weights
+    model = wrap_for_training(build_gpt_moe(TINY_MOE, dims), distributed_optimizer=distributed)
+    optimizer = build_optimizer(model, lr=1e-4)
+    losses, grad_norms = [], []
+    for _ in range(STEPS):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses.append(float(policy_forward_backward(model, batches, SPEC).loss))
+        updated, grad_norm, _ = optimizer.step()
+        assert updated
+        grad_norms.append(float(grad_norm))
+    main_weights = [
+        weight
+        for inner in optimizer.chained_optimizers
+        for group in inner.optimizer.param_groups
+        for weight in group["params"]
+    ]
+    return {
+        "optimizers": sorted({type(inner).__name__ for inner in optimizer.chained_optimizers}),
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "weights": {n: p.detach().clone() for n, p in model.module.named_parameters()},
+        "state_numel": sum(weight.numel() for weight in main_weights),
+        # weights every data-parallel rank holds a copy of (megatron-core marks expert weights,
+        # which are reduced over the expert data-parallel group instead, allreduce=False)
+        "replicated_numel": sum(
+            p.numel() for p in model.module.parameters() if getattr(p, "allreduce", True)
+        ),
+    }
+
+
+def plain_and_distributed(launch: LaunchEnv, layout: dict[str, int]) -> dict:
+    """Both optimizers' losses, gradient norms and final weights on this rank, and how many
+    weights each keeps Adam state for here."""
+    dims = ParallelDims(world_size=launch.world_size, **layout)
+    init_distributed(dims, launch)
+    batches = micro_batches(count=2 * dims.dp)[launch.rank % dims.dp :: dims.dp]
+    plain = _train(dims, False, batches)
+    distributed = _train(dims, True, batches)
+    return {
+        "optimizers": (plain["optimizers"], distributed["optimizers"]),
+        "losses": (plain["losses"], distributed["losses"]),
+        "grad_norms": (plain["grad_norms"], distributed["grad_norms"]),
+        "state_numel": (plain["state_numel"], distributed["state_numel"]),
+        "replicated_numel": plain["replicated_numel"],
+        "worst_weight_diff": max(
+            float((plain["weights"][n] - distributed["weights"][n]).abs().max())
+            for n in plain["weights"]
+        ),
+        "moved": max(
+            float((plain["weights"][n] - first).abs().max())
+            for n, first in _initial_weights(dims).items()
+        ),
+    }
+
+
+def _initial_weights(dims: ParallelDims) -> dict[str, torch.Tensor]:
+    set_model_parallel(dims)
+    return {n: p.detach() for n, p in build_gpt_moe(TINY_MOE, dims).named_parameters()}
