@@ -74,7 +74,11 @@ def run_depth(layers: int, spec: ReplayBenchSpec) -> dict[str, object]:
     config = bench_model(layers)
     models = {mode: build_gpt_moe(config, dims, routing_replay=mode == "r2") for mode in MODES}
     models["r2"].load_state_dict(models["none"].state_dict())
-    ddps = {mode: wrap_for_training(model) for mode, model in models.items()}
+    # one rank and no optimizer: the plain DDP buffers suffice
+    ddps = {
+        mode: wrap_for_training(model, distributed_optimizer=False)
+        for mode, model in models.items()
+    }
     replays = {"none": None, "r2": RoutingReplay(models["r2"])}
     gen = torch.Generator().manual_seed(0)
     shape = (spec.batch, spec.seq)

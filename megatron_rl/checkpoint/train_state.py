@@ -85,6 +85,29 @@ def _allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
             inner._init_optimizer_states_with_dummy_values()
 
 
+def _restore_step_counts(optimizer: MegatronOptimizer) -> None:
+    """Set each weight's Adam step count from the checkpoint after a distributed optimizer
+    loaded its state.
+
+    With torch's Adam (no Transformer Engine or Apex), megatron-core 0.16.1 saves the step count
+    in the param groups, and `DistributedOptimizer.load_state_dict` restores it there and into one
+    step tensor shared by every weight (optimizer/distrib_optimizer.py:825). Loading the
+    parameter state then copies the step this optimizer had before loading over it (:1664 keeps
+    the step out of the checkpoint, :940 copies it back), and torch's Adam would advance a shared
+    step once per weight. Either way the bias correction after a resume would differ from an
+    uninterrupted run's. Each weight gets its own step tensor, with the checkpoint's value.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(inner, DistributedOptimizer):
+            continue
+        adam = inner.optimizer
+        for group in adam.param_groups:
+            for weight in group["params"]:
+                state = adam.state.get(weight, {})
+                if "step" in state and "step" in group:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
+
+
 def save_checkpoint(
     directory: Path, step: int, policy: Policy, trainer_state: dict[str, Any], *, keep: int
 ) -> Path:
@@ -183,6 +206,7 @@ def load_checkpoint(path: Path, policy: Policy) -> tuple[int, dict[str, Any]]:
     # The distributed optimizer copies fp32 main weights in place into views of the parameters.
     with torch.no_grad():
         policy.optimizer.load_state_dict(loaded["optimizer"])
+    _restore_step_counts(policy.optimizer)
     policy.scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
     return state["step"], state["trainer"]

@@ -171,15 +171,15 @@ def build_gpt_moe(
     )
 
 
-def wrap_for_training(
-    model: GPTModel, *, distributed_optimizer: bool = True
-) -> DistributedDataParallel:
+def wrap_for_training(model: GPTModel, *, distributed_optimizer: bool) -> DistributedDataParallel:
     """Megatron-Core's DDP wrapper: gradients in fp32 `main_grad` buffers, reduced over DP in
     `finalize_model_grads` (no averaging: the policy loss brings its own global denominator).
 
-    With `distributed_optimizer` the gradients are reduce-scattered instead of all-reduced, and
-    the optimizer built on this wrapper (`build_optimizer`) keeps Adam's state and the fp32 main
-    weights of its own 1/DP shard only, all-gathering the updated weights after each step.
+    With `distributed_optimizer` the gradients are reduce-scattered instead of all-reduced (a
+    rank's `main_grad` is then the full gradient only on its own 1/DP shard), and the optimizer
+    built on this wrapper (`build_optimizer`) keeps Adam's state and the fp32 main weights of that
+    shard only, all-gathering the updated weights after each step. Code that reads whole
+    gradients from `main_grad` needs it off.
     """
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

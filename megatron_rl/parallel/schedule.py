@@ -228,7 +228,8 @@ def policy_forward_backward(
     """Run megatron-core's schedule (1F1B under PP) over `micro_batches` with the policy loss.
 
     `model` is this rank's DDP-wrapped model chunk. Gradients end up in the parameters'
-    `main_grad`, already divided by the global denominator; the optimizer step is the caller's.
+    `main_grad`, already divided by the global denominator (with the distributed optimizer, fully
+    reduced only on this rank's shard); the optimizer step is the caller's.
     With `replay`, each micro-batch's `routing` is forced (or, with `record_routing`, recorded
     into it: the old-policy pass of R2).
     """

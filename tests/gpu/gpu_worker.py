@@ -35,7 +35,9 @@ def bf16_step(launch: LaunchEnv) -> dict:
     """TE spec when TE imports (local spec otherwise), bf16, NCCL, distributed optimizer."""
     dims = ParallelDims(world_size=1)
     init_distributed(dims, launch)
-    model = wrap_for_training(build_gpt_moe(replace(TINY_MOE, dtype="bfloat16"), dims))
+    model = wrap_for_training(
+        build_gpt_moe(replace(TINY_MOE, dtype="bfloat16"), dims), distributed_optimizer=True
+    )
     optimizer = build_optimizer(model, lr=1e-3)
     before = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     step = policy_forward_backward(model, [_batch()], PolicyLossSpec("gspo", 3e-4, 4e-4))

@@ -19,7 +19,7 @@ def build_and_step(launch: LaunchEnv, config: MoEModelConfig) -> dict:
     tokens = torch.randint(0, config.vocab_size, (2, 12))
     logits = model(tokens, torch.arange(12).expand(2, 12), attention_mask=None)
 
-    ddp = wrap_for_training(model)
+    ddp = wrap_for_training(model, distributed_optimizer=True)  # one rank: its shard is all
     optimizer = build_optimizer(ddp, lr=1e-2)
     mask = torch.zeros(2, 12, dtype=torch.bool)
     mask[:, 4:11] = True

@@ -71,7 +71,7 @@ def r2_matches_forced_routing(launch: LaunchEnv) -> dict:
     dims = ParallelDims(world_size=1)
     init_distributed(dims, launch)
     model = build_gpt_moe(TINY_MOE, dims, routing_replay=True)
-    ddp = wrap_for_training(model)
+    ddp = wrap_for_training(model, distributed_optimizer=False)
     replay = RoutingReplay(model)
     (batch,) = micro_batches(count=1)
 
@@ -92,7 +92,7 @@ def r2_matches_forced_routing(launch: LaunchEnv) -> dict:
     reference_model = build_gpt_moe(TINY_MOE, dims)
     reference_model.load_state_dict(perturbed, strict=False)
     _force_routing(reference_model, old_routing)
-    reference = wrap_for_training(reference_model)
+    reference = wrap_for_training(reference_model, distributed_optimizer=False)
     batch.routing = None
     forced = policy_forward_backward(reference, [batch], GRPO)
     errors = [
@@ -103,7 +103,9 @@ def r2_matches_forced_routing(launch: LaunchEnv) -> dict:
     # without replay, the perturbed routers route differently
     free_model = build_gpt_moe(TINY_MOE, dims)
     free_model.load_state_dict(perturbed, strict=False)
-    free_loss = policy_forward_backward(wrap_for_training(free_model), [batch], GRPO).loss
+    free_loss = policy_forward_backward(
+        wrap_for_training(free_model, distributed_optimizer=False), [batch], GRPO
+    ).loss
     return {
         "drift_used": float(routing_drift(_stack(old_routing), _stack(used))["drift/token_layer"]),
         "drift_free": float(routing_drift(_stack(old_routing), _stack(free))["drift/token_layer"]),
@@ -122,7 +124,7 @@ def recompute_gives_same_gradients(launch: LaunchEnv) -> dict:
     for recompute in (False, True):
         torch.manual_seed(0)
         model = build_gpt_moe(TINY_MOE, dims, routing_replay=True, recompute=recompute)
-        ddp = wrap_for_training(model)
+        ddp = wrap_for_training(model, distributed_optimizer=False)
         replay = RoutingReplay(model)
         batches = micro_batches(count=3)
         policy_forward_backward(
@@ -143,7 +145,7 @@ def replay_at_layout(launch: LaunchEnv, layout: dict) -> dict:
     dims = ParallelDims(world_size=launch.world_size, **layout)
     init_distributed(dims, launch)
     model = build_gpt_moe(TINY_MOE, dims, routing_replay=True)
-    ddp = wrap_for_training(model)
+    ddp = wrap_for_training(model, distributed_optimizer=False)
     replay = RoutingReplay(model)
     batches = micro_batches(count=2)
     policy_forward_backward(
@@ -170,7 +172,7 @@ def r3_round_trip(launch: LaunchEnv) -> dict:
     dims = ParallelDims(world_size=1)
     init_distributed(dims, launch)
     model = build_gpt_moe(TINY_MOE, dims, routing_replay=True)
-    ddp = wrap_for_training(model)
+    ddp = wrap_for_training(model, distributed_optimizer=False)
     replay = RoutingReplay(model)
     (batch,) = micro_batches(count=1)
     policy_forward_backward(
@@ -223,6 +225,6 @@ def bad_input_messages(launch: LaunchEnv) -> dict:
     message("dtype", lambda: replay.replay([good.float(), good], num_tokens=48))
     message("collect_without_record", replay.collect)
     (batch,) = micro_batches(count=1)
-    ddp = wrap_for_training(model)
+    ddp = wrap_for_training(model, distributed_optimizer=False)
     message("no_routing", lambda: policy_forward_backward(ddp, [batch], GRPO, replay=replay))
     return messages

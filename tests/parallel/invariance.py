@@ -91,7 +91,7 @@ def _run(dims: ParallelDims, dispatcher: str, weights: str, batches: list, spec:
     set_model_parallel(dims)
     model = build_gpt_moe(TINY_MOE, dims, dispatcher=dispatcher)
     _load(model, weights)
-    ddp = wrap_for_training(model)
+    ddp = wrap_for_training(model, distributed_optimizer=False)  # whole gradients are read
     return ddp, policy_forward_backward(ddp, batches, spec)
 
 
@@ -162,7 +162,7 @@ def accumulation(launch: LaunchEnv, loss: str) -> dict:
         )
         for i in range(4)
     ]
-    model = wrap_for_training(build_gpt_moe(TINY_MOE, dims))
+    model = wrap_for_training(build_gpt_moe(TINY_MOE, dims), distributed_optimizer=False)
     step_one = policy_forward_backward(model, [big], LOSSES[loss])
     grads_one = {n: p.main_grad.clone() for n, p in model.module.named_parameters()}
     model.zero_grad_buffer()

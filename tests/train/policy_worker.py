@@ -139,12 +139,15 @@ def weight_sync(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
     return result
 
 
+SAVED_AFTER_UPDATES = 3
+
+
 def checkpoint_round_trip(
     launch: LaunchEnv, hf_dir: str, directory: str, format_version: int, distributed: bool
 ) -> dict[str, object]:
-    """Save a policy after one update in checkpoint format `format_version` (format 1 as an older
-    megatron-rl wrote it), with the distributed or the plain optimizer, load it into a fresh
-    policy; report what differs."""
+    """Save a policy after a few updates in checkpoint format `format_version` (format 1 as an
+    older megatron-rl wrote it), with the distributed or the plain optimizer, load it into a
+    fresh policy, take one more update with both; report what differs."""
     from pathlib import Path
 
     from megatron_rl.checkpoint import convert, train_state
@@ -155,37 +158,47 @@ def checkpoint_round_trip(
     batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
     settings = OptimizerSettings(lr=1e-3, distributed=distributed)
     saved = Policy(hf_dir, dims, settings)
-    _one_update(saved, batch, launch)
+    for _ in range(SAVED_AFTER_UPDATES):
+        _one_update(saved, batch, launch)
     # an older writer: both the weights' keys and megatron_rl.json's format field
     train_state.FORMAT_VERSION = convert.FORMAT_VERSION = format_version
     path = train_state.save_checkpoint(Path(directory), 1, saved, {"seen": 8}, keep=1)
     fresh = Policy(hf_dir, dims, settings)
     step, trainer = train_state.load_checkpoint(path, fresh)
-    weights = fresh.model.module.state_dict()
-    restored = dict(_adam_tensors(fresh.optimizer))
     optimizer = dict(_adam_tensors(saved.optimizer))
-    return {
+    report = {
         "step": step,
         "trainer": trainer,
         "format": convert.read_metadata(path).format_version,
-        "weights_differ": [
-            name
-            for name, tensor in saved.model.module.state_dict().items()
-            if isinstance(tensor, torch.Tensor) and not torch.equal(tensor, weights[name])
-        ],
-        "parameters_numel": sum(p.numel() for p in saved.model.module.parameters()),
-        "main_weights": len(_main_weights(saved.optimizer)),
-        "main_weights_numel": sum(w.numel() for w in _main_weights(saved.optimizer)),
+        "weights_differ": _differing(
+            saved.model.module.state_dict(), fresh.model.module.state_dict()
+        ),
+        "optimizer_differ": _differing(optimizer, dict(_adam_tensors(fresh.optimizer))),
+        "optimizer_tensors": len(optimizer),
         "optimizers": sorted(
             {type(inner).__name__ for inner in fresh.optimizer.chained_optimizers}
         ),
-        "optimizer_tensors": len(optimizer),
-        "optimizer_differ": [
-            where
-            for where, tensor in optimizer.items()
-            if where not in restored or not torch.equal(tensor, restored[where])
-        ],
+        "parameters_numel": sum(p.numel() for p in saved.model.module.parameters()),
+        "main_weights": len(_main_weights(saved.optimizer)),
+        "main_weights_numel": sum(w.numel() for w in _main_weights(saved.optimizer)),
     }
+    # and the restored optimizer takes the next step exactly as the saved one does
+    _one_update(saved, batch, launch)
+    _one_update(fresh, batch, launch)
+    report["next_step_differs"] = _differing(
+        saved.model.module.state_dict(), fresh.model.module.state_dict()
+    )
+    return report
+
+
+def _differing(expected: dict, actual: dict) -> list[str]:
+    """Names of the tensors of `expected` that `actual` lacks or holds with other values."""
+    return [
+        name
+        for name, tensor in expected.items()
+        if isinstance(tensor, torch.Tensor)
+        and (name not in actual or not torch.equal(tensor, actual[name]))
+    ]
 
 
 def _main_weights(optimizer: object) -> list[torch.Tensor]:

@@ -55,6 +55,7 @@ def test_a_training_checkpoint_restores_weights_and_optimizer(
         assert result["optimizers"] == ["DistributedOptimizer" if distributed else "FP32Optimizer"]
         assert (result["step"], result["trainer"]) == (1, {"seen": 8})
         assert result["weights_differ"] == []
+        assert result["next_step_differs"] == []
         # Adam's two moments and step, and the weight itself, of every weight Adam updates here
         assert result["optimizer_tensors"] == 4 * result["main_weights"] > 0
         assert result["optimizer_differ"] == []
