@@ -277,22 +277,34 @@ def _host_tensors_typed_as_cuda() -> Iterator[None]:
         torch.Tensor.type = host_type
 
 
-def _distributed_optimizer_host_params() -> None:
-    # optimizer/distrib_optimizer.py:361, 420 and 582 (in DistributedOptimizer.__init__ and the
-    # _build_model_and_main_param_groups it calls) sort parameters by `param.type()`, accepting
-    # only 'torch.cuda.{Float,Half,BFloat16}Tensor' and raising TypeError for anything else.
-    # Host parameters are sorted the same way by their dtype while the optimizer is built;
-    # everything it does afterwards (reduce-scatter of gradients, all-gather of parameters) runs
-    # on gloo as it is.
+def _optimizer_host_params() -> None:
+    # Two optimizers sort parameters by `param.type()` while they are built, accepting only
+    # 'torch.cuda.{Float,Half,BFloat16}Tensor' and raising TypeError for anything else:
+    #   optimizer/distrib_optimizer.py:361, 420, 582  DistributedOptimizer.__init__ and the
+    #                                                 _build_model_and_main_param_groups it calls
+    #   optimizer/optimizer.py:671, 690               Float16OptimizerWithFloat16Params.__init__
+    #                                                 (the plain optimizer of bf16 parameters)
+    # Host parameters are sorted the same way by their dtype while these are built; everything
+    # they do afterwards (for the distributed one, reduce-scatter of gradients and all-gather
+    # of weights) runs on gloo as it is.
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    cuda_only_init = DistributedOptimizer.__init__
+    for optimizer_class in (DistributedOptimizer, Float16OptimizerWithFloat16Params):
+        _patch(
+            f"optimizer_host_params.{optimizer_class.__name__}",
+            optimizer_class,
+            "__init__",
+            _built_with_host_params(optimizer_class.__init__),
+        )
 
-    def init(self: DistributedOptimizer, *args: Any, **kwargs: Any) -> None:
+
+def _built_with_host_params(cuda_only_init: Callable[..., None]) -> Callable[..., None]:
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
         with _host_tensors_typed_as_cuda():
             cuda_only_init(self, *args, **kwargs)
 
-    _patch("distributed_optimizer_host_params", DistributedOptimizer, "__init__", init)
+    return init
 
 
 @dataclass(frozen=True)
@@ -311,7 +323,7 @@ PATCHES = (
     CpuPatch("norm_sequence_parallel", _norm_sequence_parallel),
     CpuPatch("host_tensor_factories", _host_tensor_factories),
     CpuPatch("clip_grads_on_host", _clip_grads_on_host),
-    CpuPatch("distributed_optimizer_host_params", _distributed_optimizer_host_params),
+    CpuPatch("optimizer_host_params", _optimizer_host_params),
 )
 
 

@@ -3,6 +3,8 @@ megatron-core's plain optimizer and by its distributed optimizer, in one layout 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from megatron_rl.models.build import build_gpt_moe, build_optimizer, wrap_for_training
@@ -15,9 +17,10 @@ STEPS = 3
 SPEC = PolicyLossSpec("gspo", 3e-2, 4e-2)
 
 
-def _train(dims: ParallelDims, distributed: bool, batches: list) -> dict:
+def _train(dims: ParallelDims, dtype: str, distributed: bool, batches: list) -> dict:
     set_model_parallel(dims)  # re-seeds: both runs start from the same weights
-    model = wrap_for_training(build_gpt_moe(TINY_MOE, dims), distributed_optimizer=distributed)
+    model = build_gpt_moe(replace(TINY_MOE, dtype=dtype), dims)
+    model = wrap_for_training(model, distributed_optimizer=distributed)
     optimizer = build_optimizer(model, lr=1e-4)
     losses, grad_norms = [], []
     for _ in range(STEPS):
@@ -47,14 +50,14 @@ def _train(dims: ParallelDims, distributed: bool, batches: list) -> dict:
     }
 
 
-def plain_and_distributed(launch: LaunchEnv, layout: dict[str, int]) -> dict:
+def plain_and_distributed(launch: LaunchEnv, layout: dict[str, int], dtype: str) -> dict:
     """Both optimizers' losses, gradient norms and final weights on this rank, and how many
     weights each keeps Adam state for here."""
     dims = ParallelDims(world_size=launch.world_size, **layout)
     init_distributed(dims, launch)
     batches = micro_batches(count=2 * dims.dp)[launch.rank % dims.dp :: dims.dp]
-    plain = _train(dims, False, batches)
-    distributed = _train(dims, True, batches)
+    plain = _train(dims, dtype, False, batches)
+    distributed = _train(dims, dtype, True, batches)
     return {
         "optimizers": (plain["optimizers"], distributed["optimizers"]),
         "losses": (plain["losses"], distributed["losses"]),
@@ -62,16 +65,17 @@ def plain_and_distributed(launch: LaunchEnv, layout: dict[str, int]) -> dict:
         "state_numel": (plain["state_numel"], distributed["state_numel"]),
         "replicated_numel": plain["replicated_numel"],
         "worst_weight_diff": max(
-            float((plain["weights"][n] - distributed["weights"][n]).abs().max())
+            float((plain["weights"][n].float() - distributed["weights"][n].float()).abs().max())
             for n in plain["weights"]
         ),
         "moved": max(
-            float((plain["weights"][n] - first).abs().max())
-            for n, first in _initial_weights(dims).items()
+            float((plain["weights"][n].float() - first.float()).abs().max())
+            for n, first in _initial_weights(dims, dtype).items()
         ),
     }
 
 
-def _initial_weights(dims: ParallelDims) -> dict[str, torch.Tensor]:
+def _initial_weights(dims: ParallelDims, dtype: str) -> dict[str, torch.Tensor]:
     set_model_parallel(dims)
-    return {n: p.detach() for n, p in build_gpt_moe(TINY_MOE, dims).named_parameters()}
+    model = build_gpt_moe(replace(TINY_MOE, dtype=dtype), dims)
+    return {n: p.detach() for n, p in model.named_parameters()}

@@ -160,9 +160,10 @@ def test_clip_grads_on_host():
     torch.testing.assert_close(param.grad, torch.full((4,), 3.0 / (6.0 + 1e-6)))  # unclipped
 
 
-def test_distributed_optimizer_host_params():
+def test_optimizer_host_params():
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     def build_groups(param: torch.nn.Parameter) -> tuple:
         # the smallest input of the parameter sorting the optimizer's __init__ runs: one bucket
@@ -177,6 +178,10 @@ def test_distributed_optimizer_host_params():
     param = torch.nn.Parameter(torch.ones(2, 3))
     with pytest.raises(TypeError, match=r"must be one of torch\.cuda\.FloatTensor"):
         build_groups(param)  # upstream still refuses host parameters
+    mixed_precision_source = inspect.getsource(
+        cpu_compat.original("optimizer_host_params.Float16OptimizerWithFloat16Params", "__init__")
+    )
+    assert "param.type() == 'torch.cuda.FloatTensor'" in mixed_precision_source  # here too
     with cpu_compat._host_tensors_typed_as_cuda():
         assert param.type() == "torch.cuda.FloatTensor"
         assert param.bfloat16().type() == "torch.cuda.BFloat16Tensor"
@@ -184,6 +189,7 @@ def test_distributed_optimizer_host_params():
         assert param.type(torch.float64).dtype == torch.float64  # conversions pass through
         _, model_fp32_groups, _, shard_fp32_groups, _ = build_groups(param)
     assert model_fp32_groups == [[param]] and shard_fp32_groups[0][0].shape == (6,)
-    assert param.type() == "torch.FloatTensor"  # only while the optimizer is being built
-    patched = DistributedOptimizer.__init__
-    assert patched is not cpu_compat.original("distributed_optimizer_host_params", "__init__")
+    assert param.type() == "torch.FloatTensor"  # only while an optimizer is being built
+    for optimizer_class in (DistributedOptimizer, Float16OptimizerWithFloat16Params):
+        name = f"optimizer_host_params.{optimizer_class.__name__}"
+        assert optimizer_class.__init__ is not cpu_compat.original(name, "__init__")
