@@ -179,6 +179,7 @@ def checkpoint_round_trip(
             {type(inner).__name__ for inner in fresh.optimizer.chained_optimizers}
         ),
         "parameters_numel": sum(p.numel() for p in saved.model.module.parameters()),
+        "dtypes": sorted({str(p.dtype) for p in saved.model.module.parameters()}),
         "main_weights": len(_main_weights(saved.optimizer)),
         "main_weights_numel": sum(w.numel() for w in _main_weights(saved.optimizer)),
     }

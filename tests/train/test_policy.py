@@ -1,10 +1,14 @@
-"""The Megatron-Core policy and the in-process engine stay in step through weight syncs."""
+"""The Megatron-Core policy and the in-process engine stay in step through weight syncs;
+training checkpoints restore the policy and its optimizer exactly."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from tests.parallel.harness import run_on_ranks
 from tests.train import policy_worker
@@ -34,24 +38,36 @@ def test_the_sync_probe_passes_after_each_sync_and_stops_every_rank_on_lost_upda
         assert "weight sync 2" in result["error"]
 
 
+def _bfloat16_copy(directory: Path) -> str:
+    """The tiny model with bfloat16 weights (and config dtype), as GPU runs train it."""
+    shutil.copytree(TINY_MODEL, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
+    weights = load_file(directory / "model.safetensors")
+    save_file({n: t.bfloat16() for n, t in weights.items()}, directory / "model.safetensors")
+    return str(directory)
+
+
 @pytest.mark.parametrize(
-    ("format_version", "distributed"),
-    [(1, False), (2, False), (2, True)],
-    ids=["format1_plain", "format2_plain", "format2_distributed"],
+    ("format_version", "distributed", "dtype"),
+    [(1, False, "float32"), (2, False, "float32"), (2, True, "float32"), (2, True, "bfloat16")],
+    ids=["format1_plain", "format2_plain", "format2_distributed", "format2_distributed_bf16"],
 )
 def test_a_training_checkpoint_restores_weights_and_optimizer(
-    format_version, distributed, tmp_path
+    format_version, distributed, dtype, tmp_path
 ):
+    model = TINY_MODEL if dtype == "float32" else _bfloat16_copy(tmp_path / "bf16")
     results = run_on_ranks(
         policy_worker.checkpoint_round_trip,
-        TINY_MODEL,
-        str(tmp_path),
+        model,
+        str(tmp_path / "checkpoints"),
         format_version,
         distributed,
         world_size=2,
     )
     for result in results:
         assert result["format"] == format_version
+        assert f"torch.{dtype}" in result["dtypes"]  # (megatron-core may keep a few in fp32)
         assert result["optimizers"] == ["DistributedOptimizer" if distributed else "FP32Optimizer"]
         assert (result["step"], result["trainer"]) == (1, {"seen": 8})
         assert result["weights_differ"] == []
