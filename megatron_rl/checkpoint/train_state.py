@@ -1,16 +1,19 @@
 """Training checkpoints: everything a run needs to continue exactly where it stopped.
 
     CHECKPOINTS/step_000020/
-        weights/            megatron-core dist_checkpointing: model and optimizer (any layout)
+        weights/            megatron-core dist_checkpointing: the model (loadable at any
+                            layout) and the optimizer (optimizer_state.py)
         rng_rank{r}.pt      this rank's torch, Python and NumPy RNG states
-        trainer.json        step, learning-rate scheduler, the loop's own counters
+        trainer.json        step, layout, optimizer kind, learning-rate scheduler, the loop's
+                            own counters
         megatron_rl.json    model family and config, and
         hf/                 config.json and tokenizer: `megatron-rl convert mcore-to-hf` reads it
     CHECKPOINTS/latest      name of the newest complete checkpoint
 
 A checkpoint is written into `.step_000020.tmp` and renamed when every rank has finished, and
 `latest` is replaced atomically after that: a run killed while saving keeps its previous
-checkpoint. Only the newest `keep` checkpoints stay.
+checkpoint. Only the newest `keep` checkpoints stay. A checkpoint resumes at the layout and with
+the optimizer it was saved with (`check_resumable`).
 """
 
 from __future__ import annotations
@@ -26,14 +29,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.optimizer import MegatronOptimizer
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_rl.checkpoint.convert import (
     FORMAT_VERSION,
     model_sharded_state_dict,
     read_metadata,
     write_metadata,
+)
+from megatron_rl.checkpoint.optimizer_state import (
+    is_distributed,
+    load_optimizer_state,
+    optimizer_sharded_state_dict,
 )
 from megatron_rl.fileio import write_text_atomic
 from megatron_rl.models.policy import Policy
@@ -56,56 +62,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
-# The distributed optimizer's state is saved bucket by bucket as it lies on the ranks (no
-# gathering; resharding only over DP), as Megatron-LM does by default. megatron-core 0.16.1's own
-# default, "fully_sharded_model_space", cannot be saved: its flattened ShardedTensors are refused
-# by dist_checkpointing ("ShardedTensor.flattened_range is not supported").
-DISTRIBUTED_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
 def _sharded_state(policy: Policy, *, is_loading: bool, format_version: int) -> dict[str, Any]:
     model = model_sharded_state_dict(policy.model.module, format_version)
-    optimizer = policy.optimizer.sharded_state_dict(
-        model, is_loading=is_loading, metadata=DISTRIBUTED_OPTIMIZER_METADATA
-    )
+    optimizer = optimizer_sharded_state_dict(policy.optimizer, model, is_loading=is_loading)
     return {"model": model, "optimizer": optimizer}
-
-
-def _allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
-    """Give a distributed optimizer that has not stepped yet its Adam state, to load into.
-
-    With torch's Adam (no Transformer Engine or Apex installed), `DistributedOptimizer.state_dict`
-    reads the step count from the per-parameter state (optimizer/distrib_optimizer.py:640-642) and
-    fails on an optimizer that has none yet. megatron-core fills such a state with placeholder
-    values (a step on zero gradients) before loading in its FSDP path; the same is done here, and
-    the checkpoint then overwrites every value.
-    """
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
-            inner._init_optimizer_states_with_dummy_values()
-
-
-def _restore_step_counts(optimizer: MegatronOptimizer) -> None:
-    """Set each weight's Adam step count from the checkpoint after a distributed optimizer
-    loaded its state.
-
-    With torch's Adam (no Transformer Engine or Apex), megatron-core 0.16.1 saves the step count
-    in the param groups, and `DistributedOptimizer.load_state_dict` restores it there and into one
-    step tensor shared by every weight (optimizer/distrib_optimizer.py:825). Loading the
-    parameter state then copies the step this optimizer had before loading over it (:1664 keeps
-    the step out of the checkpoint, :940 copies it back), and torch's Adam would advance a shared
-    step once per weight. Either way the bias correction after a resume would differ from an
-    uninterrupted run's. Each weight gets its own step tensor, with the checkpoint's value.
-    """
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(inner, DistributedOptimizer):
-            continue
-        adam = inner.optimizer
-        for group in adam.param_groups:
-            for weight in group["params"]:
-                state = adam.state.get(weight, {})
-                if "step" in state and "step" in group:
-                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
 
 
 def save_checkpoint(
@@ -133,7 +93,7 @@ def save_checkpoint(
             "step": step,
             "world_size": dist.get_world_size(),
             "layout": policy.dims.describe(),
-            "distributed_optimizer": _distributed_optimizer(policy),
+            "distributed_optimizer": is_distributed(policy.optimizer),
             "scheduler": policy.scheduler.state_dict(),
             "trainer": trainer_state,
         }
@@ -157,10 +117,6 @@ def latest_checkpoint(directory: Path) -> Path | None:
     if not (path / "trainer.json").is_file():
         raise ValueError(f"{pointer}: names {path.name}, which is not a complete checkpoint")
     return path
-
-
-def _distributed_optimizer(policy: Policy) -> bool:
-    return policy.model.ddp_config.use_distributed_optimizer
 
 
 def check_resumable(
@@ -195,18 +151,14 @@ def load_checkpoint(path: Path, policy: Policy) -> tuple[int, dict[str, Any]]:
     """Restore `policy` (model, optimizer, scheduler) and this rank's RNGs from `path`;
     returns the step it was saved after and the loop's own state."""
     state = json.loads((path / "trainer.json").read_text())
-    check_resumable(path, state, policy.dims, _distributed_optimizer(policy))
+    check_resumable(path, state, policy.dims, is_distributed(policy.optimizer))
     format_version = read_metadata(path).format_version
-    _allocate_optimizer_state(policy.optimizer)
     loaded = dist_checkpointing.load(
         _sharded_state(policy, is_loading=True, format_version=format_version),
         str(path / "weights"),
     )
     policy.model.module.load_state_dict(loaded["model"])
-    # The distributed optimizer copies fp32 main weights in place into views of the parameters.
-    with torch.no_grad():
-        policy.optimizer.load_state_dict(loaded["optimizer"])
-    _restore_step_counts(policy.optimizer)
+    load_optimizer_state(policy.optimizer, loaded["optimizer"])
     policy.scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
     return state["step"], state["trainer"]

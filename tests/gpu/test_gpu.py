@@ -1,6 +1,6 @@
-"""GPU-only checks: NCCL, bf16, the distributed optimizer, CUDA log-probs, and the Transformer
-Engine spec when TE is installed. They skip on machines without CUDA (CI, the CPU dev box) and
-are run on a lent GPU with `bash scripts/gpu_check.sh`."""
+"""GPU-only checks: NCCL, bf16, the distributed optimizer and its training checkpoints, CUDA
+log-probs, and the Transformer Engine spec when TE is installed. They skip on machines without
+CUDA (CI, the CPU dev box) and are run on a lent GPU with `bash scripts/gpu_check.sh`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import torch
 from megatron_rl.parallel.logprobs import vocab_parallel_logprobs
 from tests.gpu import gpu_worker
 from tests.parallel.harness import run_on_ranks
+from tests.train import policy_worker
+from tests.train.policy_worker import bfloat16_copy
+from tests.train.run_cli import TINY_MODEL
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,3 +45,19 @@ def test_bf16_model_step_with_nccl_and_distributed_optimizer():
     assert report["distributed_optimizer"]
     assert math.isfinite(report["loss"]) and report["updated"] and report["grad_norm"] > 0
     assert report["changed"] > 0
+
+
+def test_bf16_training_checkpoint_with_the_distributed_optimizer_on_cuda(tmp_path):
+    model = bfloat16_copy(TINY_MODEL, tmp_path / "bf16")
+    (result,) = run_on_ranks(
+        policy_worker.checkpoint_round_trip,
+        model,
+        str(tmp_path / "checkpoints"),
+        2,
+        True,
+        world_size=1,
+    )
+    assert result["optimizers"] == ["DistributedOptimizer"]
+    assert "torch.bfloat16" in result["dtypes"]
+    assert result["weights_differ"] == result["optimizer_differ"] == []
+    assert result["next_step_differs"] == []

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from megatron_rl.algo import group_advantages
 from megatron_rl.models.policy import OptimizerSettings, Policy
@@ -142,14 +147,23 @@ def weight_sync(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
 SAVED_AFTER_UPDATES = 3
 
 
+def bfloat16_copy(hf_dir: str, directory: Path) -> str:
+    """A copy of the Hugging Face checkpoint `hf_dir` with bfloat16 weights and config dtype, as
+    GPU runs train it."""
+    shutil.copytree(hf_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
+    weights = load_file(directory / "model.safetensors")
+    save_file({n: t.bfloat16() for n, t in weights.items()}, directory / "model.safetensors")
+    return str(directory)
+
+
 def checkpoint_round_trip(
     launch: LaunchEnv, hf_dir: str, directory: str, format_version: int, distributed: bool
 ) -> dict[str, object]:
     """Save a policy after a few updates in checkpoint format `format_version` (format 1 as an
     older megatron-rl wrote it), with the distributed or the plain optimizer, load it into a
     fresh policy, take one more update with both; report what differs."""
-    from pathlib import Path
-
     from megatron_rl.checkpoint import convert, train_state
 
     dims = ParallelDims(world_size=launch.world_size, ep=launch.world_size)

@@ -3,15 +3,13 @@ training checkpoints restore the policy and its optimizer exactly."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from tests.parallel.harness import run_on_ranks
 from tests.train import policy_worker
+from tests.train.policy_worker import bfloat16_copy
 
 TINY_MODEL = str(Path(__file__).resolve().parents[2] / "examples" / "moe" / "tiny_qwen3_moe")
 
@@ -38,16 +36,6 @@ def test_the_sync_probe_passes_after_each_sync_and_stops_every_rank_on_lost_upda
         assert "weight sync 2" in result["error"]
 
 
-def _bfloat16_copy(directory: Path) -> str:
-    """The tiny model with bfloat16 weights (and config dtype), as GPU runs train it."""
-    shutil.copytree(TINY_MODEL, directory)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
-    weights = load_file(directory / "model.safetensors")
-    save_file({n: t.bfloat16() for n, t in weights.items()}, directory / "model.safetensors")
-    return str(directory)
-
-
 @pytest.mark.parametrize(
     ("format_version", "distributed", "dtype"),
     [(1, False, "float32"), (2, False, "float32"), (2, True, "float32"), (2, True, "bfloat16")],
@@ -56,7 +44,7 @@ def _bfloat16_copy(directory: Path) -> str:
 def test_a_training_checkpoint_restores_weights_and_optimizer(
     format_version, distributed, dtype, tmp_path
 ):
-    model = TINY_MODEL if dtype == "float32" else _bfloat16_copy(tmp_path / "bf16")
+    model = TINY_MODEL if dtype == "float32" else bfloat16_copy(TINY_MODEL, tmp_path / "bf16")
     results = run_on_ranks(
         policy_worker.checkpoint_round_trip,
         model,
