@@ -378,8 +378,9 @@ class OptimConfig:
     """Adam epsilon."""
     distributed_optimizer: bool = True
     """Shard Adam's moments and the fp32 main weights over data-parallel ranks (megatron-core's
-    distributed optimizer): each rank keeps 1/DP of the optimizer state. Off: every
-    data-parallel rank keeps all of it."""
+    distributed optimizer): each rank keeps 1/DP of the optimizer state. Used only when the
+    layout has data-parallel copies (dp * cp > 1 or edp > 1). Off: every data-parallel rank
+    keeps all of it."""
 
     def validate(self) -> None:
         _positive("optim", self, "lr", "clip_grad", "adam_eps")

@@ -40,7 +40,7 @@ class OptimizerSettings:
     clip_grad: float = 1.0
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
-    distributed: bool = True  # Adam's state sharded over DP (megatron-core's DistributedOptimizer)
+    distributed: bool = True  # Adam's state sharded over DP (when the layout has DP copies)
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,10 @@ class Policy:
         )
         source.checkpoint.close()
         self.replay = RoutingReplay(model) if routing_replay else None
-        self.model = wrap_for_training(model, distributed_optimizer=optimizer.distributed)
+        # With no data-parallel copies the distributed optimizer has nothing to shard and takes
+        # the plain optimizer's steps, with parameter gathers on top.
+        distributed = optimizer.distributed and dims.replicates_weights
+        self.model = wrap_for_training(model, distributed_optimizer=distributed)
         self.optimizer = build_optimizer(
             self.model,
             lr=optimizer.lr,

@@ -77,6 +77,13 @@ class ParallelDims:
         """Data parallel size of the expert part: world_size / (etp * ep * pp)."""
         return self.world_size // (self.etp * self.ep * self.pp)
 
+    @property
+    def replicates_weights(self) -> bool:
+        """True when some weight is held by more than one rank of a data-parallel group (dense
+        weights over dp * cp ranks, expert weights over edp): only then has the distributed
+        optimizer anything to shard."""
+        return self.dp * self.cp > 1 or self.edp > 1
+
     def check_model(
         self,
         *,

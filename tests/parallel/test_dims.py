@@ -72,3 +72,12 @@ def test_model_that_cannot_be_split(dims, change, message):
 
 def test_model_that_can_be_split():
     ParallelDims(world_size=8, tp=2, pp=2, ep=2).check_model(**MODEL)
+
+
+def test_weights_are_replicated_only_with_data_parallel_copies():
+    assert not ParallelDims(world_size=1).replicates_weights
+    assert not ParallelDims(world_size=2, tp=2).replicates_weights  # dp = edp = 1
+    assert ParallelDims(world_size=2).replicates_weights  # dp 2
+    assert ParallelDims(world_size=2, cp=2).replicates_weights  # dense weights over dp * cp
+    assert ParallelDims(world_size=2, ep=2).replicates_weights  # dense dp 2, experts edp 1
+    assert ParallelDims(world_size=2, tp=2, etp=1).replicates_weights  # dp 1, experts edp 2

@@ -116,6 +116,9 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path):
     train_until_checkpoint(killed, steps, step=2)
     resumed = train_cli(killed, steps, resume=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # one process: no data-parallel copies, so the plain optimizer (nothing to shard)
+    trainer = json.loads((killed / "checkpoints" / "step_000004" / "trainer.json").read_text())
+    assert trainer["distributed_optimizer"] is False
     expected, actual = read_metrics(whole), read_metrics(killed)
     assert sorted(actual) == [0, 1, 2, 3, 4]
     for step in (3, 4):
@@ -134,23 +137,24 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
 
 
 def test_a_checkpoint_resumes_only_at_its_layout_and_with_its_optimizer(tmp_path):
-    assert train_cli(tmp_path, ["run.steps=1"]).returncode == 0
+    assert train_cli(tmp_path, ["run.steps=1"], nproc=2).returncode == 0
     path = tmp_path / "checkpoints" / "step_000001"
     state = json.loads((path / "trainer.json").read_text())
-    assert state["distributed_optimizer"] is True  # the default
-    assert state["layout"] == ParallelDims(world_size=1).describe()
+    assert state["distributed_optimizer"] is True  # the default, with DP=2
+    assert state["layout"] == ParallelDims(world_size=2).describe()
 
-    other = train_cli(tmp_path, ["run.steps=2", "optim.distributed_optimizer=false"], resume=True)
+    other = train_cli(
+        tmp_path, ["run.steps=2", "optim.distributed_optimizer=false"], nproc=2, resume=True
+    )
     assert other.returncode != 0
     assert "saved with optim.distributed_optimizer=true, resumed with false" in other.stderr
 
-    # the same checks on this checkpoint's trainer.json, as if it had been saved on 2 ranks
-    on_two = {**state, "world_size": 2, "layout": ParallelDims(world_size=2, ep=2).describe()}
-    check_resumable(path, on_two, ParallelDims(world_size=2, ep=2), True)
-    with pytest.raises(ValueError, match=r"saved at layout \[world 2 = .*ep2.*\], resumed at"):
-        check_resumable(path, on_two, ParallelDims(world_size=2), True)
+    # the same checks on this checkpoint's trainer.json
+    check_resumable(path, state, ParallelDims(world_size=2), True)
+    with pytest.raises(ValueError, match=r"saved at layout \[world 2 = .*dp2.*\], resumed at"):
+        check_resumable(path, state, ParallelDims(world_size=2, ep=2), True)
     with pytest.raises(ValueError, match="saved by 2 ranks, resumed with 1"):
-        check_resumable(path, on_two, ParallelDims(world_size=1), True)
+        check_resumable(path, state, ParallelDims(world_size=1), False)
     # written before these fields existed: by the plain optimizer, at an unrecorded layout
     older = {"world_size": 2}
     check_resumable(path, older, ParallelDims(world_size=2, tp=2), False)
