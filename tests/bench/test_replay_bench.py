@@ -7,14 +7,16 @@ from megatron_rl.bench import replay as replay_bench
 
 
 def test_bench_replay_runs_and_reports(tmp_path):
-    spec = replay_bench.ReplayBenchSpec(layers=(2,), micro_batches=2, batch=2, seq=16, pairs=3)
+    # 256 tokens per row: the recorded routing (32 KiB) is well above the few KiB by which what
+    # a pass leaves allocated varies between runs (one CI run measured -4 KiB at 16 tokens)
+    spec = replay_bench.ReplayBenchSpec(layers=(2,), micro_batches=2, batch=2, seq=256, pairs=3)
     report = replay_bench.run_benchmark(spec)
     row = report["summary"]["2"]
     assert row["seconds_none"] > 0 and row["seconds_r2"] > 0
     assert all(len(report["runs"]["2"]["seconds"][mode]) == 3 for mode in ("none", "r2"))
     assert row["time_overhead_low"] <= row["time_overhead"] <= row["time_overhead_high"]
     # recorded routing of a step: layers x tokens x topk x 8 bytes
-    assert row["routing_bytes"] == 2 * (2 * 2 * 16) * 2 * 8
+    assert row["routing_bytes"] == 2 * (2 * 2 * 256) * 2 * 8
     json_path, md_path = replay_bench.write_report(report, tmp_path)
     assert json_path.is_file() and "| 2 |" in md_path.read_text()
     # Counted allocation by allocation: replay holds at most the recorded indices (the last
