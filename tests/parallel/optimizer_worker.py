@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from megatron.core.optimizer import MegatronOptimizer
 
 from megatron_rl.models.build import build_gpt_moe, build_optimizer, wrap_for_training
 from megatron_rl.parallel.dims import ParallelDims
@@ -17,9 +18,21 @@ STEPS = 3
 SPEC = PolicyLossSpec("gspo", 3e-2, 4e-2)
 
 
+def main_weights(optimizer: MegatronOptimizer) -> list[torch.Tensor]:
+    """The weights Adam updates on this rank: its shard's fp32 copies with the distributed
+    optimizer, the parameters themselves with the plain one."""
+    return [
+        weight
+        for inner in optimizer.chained_optimizers
+        for group in inner.optimizer.param_groups
+        for weight in group["params"]
+    ]
+
+
 def _train(dims: ParallelDims, dtype: str, distributed: bool, batches: list) -> dict:
     set_model_parallel(dims)  # re-seeds: both runs start from the same weights
     model = build_gpt_moe(replace(TINY_MOE, dtype=dtype), dims)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     model = wrap_for_training(model, distributed_optimizer=distributed)
     optimizer = build_optimizer(model, lr=1e-4)
     losses, grad_norms = [], []
@@ -30,18 +43,13 @@ def _train(dims: ParallelDims, dtype: str, distributed: bool, batches: list) -> 
         updated, grad_norm, _ = optimizer.step()
         assert updated
         grad_norms.append(float(grad_norm))
-    main_weights = [
-        weight
-        for inner in optimizer.chained_optimizers
-        for group in inner.optimizer.param_groups
-        for weight in group["params"]
-    ]
     return {
         "optimizers": sorted({type(inner).__name__ for inner in optimizer.chained_optimizers}),
         "losses": losses,
         "grad_norms": grad_norms,
+        "initial_weights": initial,
         "weights": {n: p.detach().clone() for n, p in model.module.named_parameters()},
-        "state_numel": sum(weight.numel() for weight in main_weights),
+        "state_numel": sum(weight.numel() for weight in main_weights(optimizer)),
         # weights every data-parallel rank holds a copy of (megatron-core marks expert weights,
         # which are reduced over the expert data-parallel group instead, allreduce=False)
         "replicated_numel": sum(
@@ -70,12 +78,6 @@ def plain_and_distributed(launch: LaunchEnv, layout: dict[str, int], dtype: str)
         ),
         "moved": max(
             float((plain["weights"][n].float() - first.float()).abs().max())
-            for n, first in _initial_weights(dims, dtype).items()
+            for n, first in plain["initial_weights"].items()
         ),
     }
-
-
-def _initial_weights(dims: ParallelDims, dtype: str) -> dict[str, torch.Tensor]:
-    set_model_parallel(dims)
-    model = build_gpt_moe(replace(TINY_MOE, dtype=dtype), dims)
-    return {n: p.detach() for n, p in model.named_parameters()}

@@ -20,6 +20,7 @@ from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.rollout.sync import SyncSettings, WeightSyncMismatch, sync_weights
+from tests.parallel.optimizer_worker import main_weights
 
 
 def _engine_logprobs(engine: LocalEngine, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -194,8 +195,8 @@ def checkpoint_round_trip(
         ),
         "parameters_numel": sum(p.numel() for p in saved.model.module.parameters()),
         "dtypes": sorted({str(p.dtype) for p in saved.model.module.parameters()}),
-        "main_weights": len(_main_weights(saved.optimizer)),
-        "main_weights_numel": sum(w.numel() for w in _main_weights(saved.optimizer)),
+        "main_weights": len(main_weights(saved.optimizer)),
+        "main_weights_numel": sum(w.numel() for w in main_weights(saved.optimizer)),
     }
     # and the restored optimizer takes the next step exactly as the saved one does
     _one_update(saved, batch, launch)
@@ -216,22 +217,11 @@ def _differing(expected: dict, actual: dict) -> list[str]:
     ]
 
 
-def _main_weights(optimizer: object) -> list[torch.Tensor]:
-    """The weights Adam updates on this rank: its shard's fp32 copies with the distributed
-    optimizer, the parameters themselves with the plain one."""
-    return [
-        weight
-        for inner in optimizer.chained_optimizers
-        for group in inner.optimizer.param_groups
-        for weight in group["params"]
-    ]
-
-
 def _adam_tensors(optimizer: object):
     """This rank's Adam state (moments and step per weight) and its main weights."""
     for index, inner in enumerate(optimizer.chained_optimizers):
         yield from _tensors(inner.optimizer.state_dict(), f"{index}")
-    yield from _tensors(_main_weights(optimizer), "main")
+    yield from _tensors(main_weights(optimizer), "main")
 
 
 def _tensors(tree: object, where: str = ""):
