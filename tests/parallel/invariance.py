@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megatron_rl.algo import subsentence_segment_ids
-from megatron_rl.models.build import build_gpt_moe, wrap_for_training
+from megatron_rl.models.build import build_gpt_moe, build_optimizer, wrap_for_training
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, set_model_parallel
@@ -55,6 +55,8 @@ LAYOUTS = {
     "ep2_allgather": {"ep": 2},
     "pp2": {"pp": 2},
     "dp2": {},
+    "tp2_ep2_etp1": {"tp": 2, "ep": 2, "etp": 1},  # attention split by TP, experts by EP
+    "tp2_etp1": {"tp": 2, "etp": 1},  # each TP rank runs every expert on its tokens
 }
 
 
@@ -95,6 +97,13 @@ def _run(dims: ParallelDims, dispatcher: str, weights: str, batches: list, spec:
     return ddp, policy_forward_backward(ddp, batches, spec)
 
 
+def _grad_norm(model) -> float:
+    """The gradient norm megatron-core's optimizer clips by, over all ranks' shards."""
+    optimizer = build_optimizer(model, lr=0.0)
+    optimizer.prepare_grads()
+    return float(optimizer.get_grad_norm())
+
+
 def _fresh_dir(path: str) -> str:
     if dist.get_rank() == 0:
         os.makedirs(path)
@@ -118,7 +127,9 @@ def compare_layout(launch: LaunchEnv, layout: str, losses: list[str], workdir: s
         spec = LOSSES[name]
         ref_model, ref_step = _run(reference, dispatcher, weights, batches, spec)
         ref_grads = {n: p.main_grad.clone() for n, p in ref_model.module.named_parameters()}
+        ref_norm = float(sum(g.double().square().sum() for g in ref_grads.values()).sqrt())
         split_model, split_step = _run(split, dispatcher, weights, mine, spec)
+        split_norm = _grad_norm(split_model)
         with torch.no_grad():
             for param in split_model.module.parameters():
                 param.copy_(param.main_grad)
@@ -138,6 +149,8 @@ def compare_layout(launch: LaunchEnv, layout: str, losses: list[str], workdir: s
             "ref_loss": float(ref_step.loss),
             "loss": float(split_step.loss),  # nan on a pipeline stage without the loss
             "worst_grad_error": max(errors.values()),
+            "ref_grad_norm": ref_norm,
+            "grad_norm": split_norm,
             "worst_param": max(errors, key=errors.get),
             "smallest_ref_grad": smallest,
             "num_params": len(errors),

@@ -1,5 +1,6 @@
-"""Loss and gradients of a real Megatron-Core MoE model split by TP (with SP), EP (alltoall and
-allgather), PP (1F1B) and DP on 2 gloo ranks equal the single-process ones."""
+"""Loss, gradients and gradient norm of a real Megatron-Core MoE model split by TP (with SP), EP
+(alltoall and allgather), TP with experts replicated or split by EP (etp=1), PP (1F1B) and DP on
+2 gloo ranks equal the single-process ones."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def test_split_model_matches_single_process(layout, tmp_path):
             assert result["smallest_ref_grad"] > 0, f"{name}: a parameter has no gradient at all"
             assert result["num_params"] > 20
             assert result["worst_grad_error"] <= TOLERANCE, (layout, rank, name, result)
+            # the norm gradient clipping uses, summed over the shards without double counting
+            assert result["grad_norm"] == pytest.approx(result["ref_grad_norm"], rel=TOLERANCE)
             if not math.isnan(result["loss"]):
                 assert result["loss"] == pytest.approx(result["ref_loss"], rel=TOLERANCE)
     # the loss is reported on the last pipeline stage (under PP=2, rank 1 only)

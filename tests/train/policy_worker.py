@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.algo import group_advantages
@@ -56,13 +57,13 @@ class _LostUpdates(LocalEngine):
         self._version = version
 
 
-def _one_update(policy: Policy, batch, launch: LaunchEnv) -> float:
+def _one_update(policy: Policy, batch) -> float:
     """One GRPO optimizer step on this rank's share of `batch`; returns the gradient norm."""
     share = micro_batches(
         batch,
         list(range(batch.num_rows)),
-        dp_rank=torch.distributed.get_rank(),
-        dp_size=launch.world_size,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=policy.dims.dp,
         micro_batch_size=4,
     )
     policy.old_logprobs(share)
@@ -81,10 +82,10 @@ def probe_check(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
     probe = codec.encode_prompt(problem.prompt) + codec.tokenizer.encode(problem.solution)
     batch = _rollout_batch(engine, codec)
     result: dict[str, object] = {"start": _sync(policy, engine, 0, probe=probe)}
-    _one_update(policy, batch, launch)
+    _one_update(policy, batch)
     result["synced"] = _sync(policy, engine, 1, probe=probe)
     broken = _LostUpdates(engine.model) if engine is not None else None
-    _one_update(policy, batch, launch)
+    _one_update(policy, batch)
     try:
         _sync(policy, broken, 2, probe=probe)
     except WeightSyncMismatch as error:
@@ -111,10 +112,10 @@ def _rollout_batch(engine: LocalEngine | None, codec: PromptCodec):
     )
 
 
-def weight_sync(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
-    """Trainer and engine log-probs on one probe batch: equal at the start, apart after an
-    update, equal again after the weight sync."""
-    dims = ParallelDims(world_size=launch.world_size, ep=launch.world_size)
+def weight_sync(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]) -> dict[str, float]:
+    """Trainer (split as `layout`) and engine log-probs on one probe batch: equal at the start,
+    apart after an update, equal again after the weight sync."""
+    dims = ParallelDims(world_size=launch.world_size, **layout)
     init_distributed(dims, launch, seed=5)
     policy = Policy(hf_dir, dims, OptimizerSettings(lr=1e-3))
     engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
@@ -132,7 +133,7 @@ def weight_sync(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
     logp, mask = trainer_logp()
     if engine is not None:
         result["start"] = float((logp - _engine_logprobs(engine, batch.tokens, mask)).abs().max())
-    result["grad_norm"] = _one_update(policy, batch, launch)
+    result["grad_norm"] = _one_update(policy, batch)
     logp, mask = trainer_logp()
     if engine is not None:
         stale = _engine_logprobs(engine, batch.tokens, mask)

@@ -14,9 +14,13 @@ from tests.train.policy_worker import bfloat16_copy
 TINY_MODEL = str(Path(__file__).resolve().parents[2] / "examples" / "moe" / "tiny_qwen3_moe")
 
 
-@pytest.mark.parametrize("world_size", [1, 2], ids=["one_rank", "ep2"])
-def test_engine_log_probs_equal_the_trainers_after_each_sync(world_size):
-    result = run_on_ranks(policy_worker.weight_sync, TINY_MODEL, world_size=world_size)[0]
+@pytest.mark.parametrize(
+    ("world_size", "layout"),
+    [(1, {}), (2, {"ep": 2}), (2, {"tp": 2, "etp": 1})],
+    ids=["one_rank", "ep2", "tp2_etp1"],
+)
+def test_engine_log_probs_equal_the_trainers_after_each_sync(world_size, layout):
+    result = run_on_ranks(policy_worker.weight_sync, TINY_MODEL, layout, world_size=world_size)[0]
     assert result["start"] < 1e-4
     assert result["grad_norm"] > 0
     assert result["before_sync"] > 1e-3  # the update moved the trainer away from the engine
