@@ -50,12 +50,14 @@ def _train(dims: ParallelDims, dtype: str, distributed: bool, batches: list) -> 
         "initial_weights": initial,
         "weights": {n: p.detach().clone() for n, p in model.module.named_parameters()},
         "state_numel": sum(weight.numel() for weight in main_weights(optimizer)),
-        # weights every data-parallel rank holds a copy of (megatron-core marks expert weights,
-        # which are reduced over the expert data-parallel group instead, allreduce=False)
-        "replicated_numel": sum(
-            p.numel() for p in model.module.parameters() if getattr(p, "allreduce", True)
-        ),
+        "share_numel": sum(p.numel() // _copies(p, dims) for p in model.module.parameters()),
     }
+
+
+def _copies(param: torch.nn.Parameter, dims: ParallelDims) -> int:
+    """How many ranks hold this weight: its data-parallel group (expert weights, marked
+    allreduce=False, are reduced over the expert data-parallel group instead)."""
+    return dims.dp * dims.cp if getattr(param, "allreduce", True) else dims.edp
 
 
 def plain_and_distributed(launch: LaunchEnv, layout: dict[str, int], dtype: str) -> dict:
@@ -71,7 +73,7 @@ def plain_and_distributed(launch: LaunchEnv, layout: dict[str, int], dtype: str)
         "losses": (plain["losses"], distributed["losses"]),
         "grad_norms": (plain["grad_norms"], distributed["grad_norms"]),
         "state_numel": (plain["state_numel"], distributed["state_numel"]),
-        "replicated_numel": plain["replicated_numel"],
+        "share_numel": plain["share_numel"],
         "worst_weight_diff": max(
             float((plain["weights"][n].float() - distributed["weights"][n].float()).abs().max())
             for n in plain["weights"]

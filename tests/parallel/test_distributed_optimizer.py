@@ -10,7 +10,11 @@ import pytest
 from tests.parallel import optimizer_worker
 from tests.parallel.harness import run_on_ranks
 
-LAYOUTS = {"dp2": {}, "ep2": {"ep": 2}}  # ep2: dense weights DP=2, each expert on one rank
+LAYOUTS = {
+    "dp2": {},
+    "ep2": {"ep": 2},  # dense weights DP=2, each expert on one rank
+    "tp2_etp1": {"tp": 2, "etp": 1},  # dense weights split by TP (DP=1), experts on both ranks
+}
 PLAIN = {"float32": "FP32Optimizer", "bfloat16": "Float16OptimizerWithFloat16Params"}
 
 
@@ -31,10 +35,10 @@ def test_distributed_optimizer_trains_as_the_plain_one(layout, dtype):
         assert report["moved"] > 1e-4
         assert report["worst_weight_diff"] < 1e-6
     # The plain optimizer keeps state for every weight of every rank; the distributed one for
-    # one share of each weight over its data-parallel group: the replicated weights are held once
-    # over the 2 ranks instead of twice, and each expert weight (one rank each under EP=2) once.
+    # one share of each weight over its data-parallel group, so that over all ranks each weight
+    # is held once: replicated weights once instead of twice, a weight only one rank holds
+    # (an expert under EP=2, a TP shard) once as before.
     plain_total = sum(report["state_numel"][0] for report in reports)
     distributed_total = sum(report["state_numel"][1] for report in reports)
-    replicated = reports[0]["replicated_numel"]
-    assert replicated > 0
-    assert distributed_total == plain_total - replicated
+    assert distributed_total == sum(report["share_numel"] for report in reports)
+    assert distributed_total < plain_total
