@@ -222,11 +222,15 @@ class ParallelConfig:
     """Expert parallel size."""
     cp: int = 1
     """Context parallel size."""
+    etp: int | None = None
+    """Expert tensor parallel size (each expert's weights split over etp ranks); None takes tp.
+    With tp > 1, etp=1 keeps each expert whole and spreads the experts by ep instead."""
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "ep", "cp"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parallel.{name}: expected a positive int")
+        for name in ("tp", "pp", "ep", "cp", "etp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"parallel.{name}: expected a positive int, got {value}")
 
 
 def _positive(section: str, config: Any, *names: str) -> None:

@@ -57,7 +57,9 @@ def train(recipe: Recipe, *, resume: bool = False) -> dict[str, float]:
     """Run `recipe` to its last step; returns the last step's metrics (on rank 0)."""
     launch = LaunchEnv.from_environ()
     par = recipe.parallel
-    dims = ParallelDims(world_size=launch.world_size, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp)
+    dims = ParallelDims(
+        world_size=launch.world_size, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, etp=par.etp
+    )
     init_distributed(dims, launch, seed=recipe.run.seed)
     try:
         return _train(recipe, dims, resume=resume)

@@ -22,6 +22,8 @@ def test_yaml_and_overrides(tmp_path):
     assert config.algo.clip_low == 3e-4  # YAML reads 3e-4 as a string; the field makes it a float
     assert config.algo.routing_replay == "r2"
     assert (config.parallel.tp, config.parallel.ep, config.parallel.pp) == (2, 4, 1)
+    assert config.parallel.etp is None  # expert TP follows tp unless given
+    assert load_config(Recipe, path, ["parallel.etp=1"]).parallel.etp == 1
     defaults = load_config(Recipe, None)
     assert defaults.algo.loss == "gspo" and defaults.algo.clip_low is None
     assert load_config(Recipe, None, ["algo.clip_low=none"]).algo.clip_low is None
@@ -37,6 +39,7 @@ def test_yaml_and_overrides(tmp_path):
         (["algo.routing_replay=r4"], r"algo\.routing_replay: expected one of 'none', 'r2', 'r3'"),
         (["parallel.tp=two"], r"parallel\.tp: expected an int, got 'two'"),
         (["parallel.tp=0"], r"parallel\.tp: expected a positive int"),
+        (["parallel.etp=0"], r"parallel\.etp: expected a positive int, got 0"),
         (["algo.clip_low=-0.1"], r"algo\.clip_low: expected >= 0"),
         (["algo.clip_low=wide"], r"algo\.clip_low: expected a number, got 'wide'"),
         (["algo.use_engine_logprobs=maybe"], r"expected true or false"),
