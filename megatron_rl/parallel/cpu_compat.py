@@ -307,6 +307,42 @@ def _built_with_host_params(cuda_only_init: Callable[..., None]) -> Callable[...
     return init
 
 
+@contextlib.contextmanager
+def _cuda_copies_stay_on_host() -> Iterator[None]:
+    """While active, `tensor.cuda()` of a host tensor returns the tensor itself."""
+    host_cuda = torch.Tensor.cuda
+
+    def stay(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self if self.device.type == "cpu" else host_cuda(self, *args, **kwargs)
+
+    torch.Tensor.cuda = stay
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = host_cuda
+
+
+def _tied_embeddings_on_host() -> None:
+    # models/common/language_module/language_module.py:244: with tied embeddings and more than
+    # one pipeline stage, the last stage's copy of the embedding is moved with `.cuda()` before
+    # the all-reduce that gives it the first stage's values (AssertionError "Torch not compiled
+    # with CUDA enabled" on a CPU build). On the host the copy stays where it is.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_on_host(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _cuda_copies_stay_on_host():
+            setup(self, *args, **kwargs)
+
+    _patch(
+        "tied_embeddings_on_host",
+        LanguageModule,
+        "setup_embeddings_and_output_layer",
+        setup_on_host,
+    )
+
+
 @dataclass(frozen=True)
 class CpuPatch:
     name: str
@@ -324,6 +360,7 @@ PATCHES = (
     CpuPatch("host_tensor_factories", _host_tensor_factories),
     CpuPatch("clip_grads_on_host", _clip_grads_on_host),
     CpuPatch("optimizer_host_params", _optimizer_host_params),
+    CpuPatch("tied_embeddings_on_host", _tied_embeddings_on_host),
 )
 
 

@@ -43,6 +43,7 @@ TINY_MOE = MoEModelConfig(
     router_topk=2,
     vocab_size=128,
     qk_layernorm=True,
+    shared_expert_ffn_hidden_size=32,  # an always-on shared expert, as in Qwen2-MoE or DeepSeek
 )
 LOSSES = {
     "gspo": PolicyLossSpec("gspo", 3e-2, 4e-2),
@@ -54,6 +55,7 @@ LAYOUTS = {
     "ep2_alltoall": {"ep": 2},
     "ep2_allgather": {"ep": 2},
     "pp2": {"pp": 2},
+    "pp2_tied": {"pp": 2},  # tied embeddings: the last stage's output layer is the embedding
     "dp2": {},
     "tp2_ep2_etp1": {"tp": 2, "ep": 2, "etp": 1},  # attention split by TP, experts by EP
     "tp2_etp1": {"tp": 2, "etp": 1},  # each TP rank runs every expert on its tokens
@@ -89,9 +91,16 @@ def _load(model: torch.nn.Module, directory: str) -> None:
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
 
 
-def _run(dims: ParallelDims, dispatcher: str, weights: str, batches: list, spec: PolicyLossSpec):
+def _run(
+    config: MoEModelConfig,
+    dims: ParallelDims,
+    dispatcher: str,
+    weights: str,
+    batches: list,
+    spec: PolicyLossSpec,
+):
     set_model_parallel(dims)
-    model = build_gpt_moe(TINY_MOE, dims, dispatcher=dispatcher)
+    model = build_gpt_moe(config, dims, dispatcher=dispatcher)
     _load(model, weights)
     ddp = wrap_for_training(model, distributed_optimizer=False)  # whole gradients are read
     return ddp, policy_forward_backward(ddp, batches, spec)
@@ -117,18 +126,19 @@ def compare_layout(launch: LaunchEnv, layout: str, losses: list[str], workdir: s
     init_distributed(reference, launch)
     split = ParallelDims(world_size=launch.world_size, **LAYOUTS[layout])
     dispatcher = "allgather" if layout.endswith("allgather") else "alltoall"
+    config = replace(TINY_MOE, tie_word_embeddings=layout.endswith("tied"))
     weights = _fresh_dir(os.path.join(workdir, "weights"))
-    dist_checkpointing.save(build_gpt_moe(TINY_MOE, reference).sharded_state_dict(), weights)
+    dist_checkpointing.save(build_gpt_moe(config, reference).sharded_state_dict(), weights)
     batches = micro_batches()
     mine = batches[launch.rank :: launch.world_size] if layout == "dp2" else batches
 
     report = {}
     for name in losses:
         spec = LOSSES[name]
-        ref_model, ref_step = _run(reference, dispatcher, weights, batches, spec)
+        ref_model, ref_step = _run(config, reference, dispatcher, weights, batches, spec)
         ref_grads = {n: p.main_grad.clone() for n, p in ref_model.module.named_parameters()}
         ref_norm = float(sum(g.double().square().sum() for g in ref_grads.values()).sqrt())
-        split_model, split_step = _run(split, dispatcher, weights, mine, spec)
+        split_model, split_step = _run(config, split, dispatcher, weights, mine, spec)
         split_norm = _grad_norm(split_model)
         with torch.no_grad():
             for param in split_model.module.parameters():
@@ -137,7 +147,7 @@ def compare_layout(launch: LaunchEnv, layout: str, losses: list[str], workdir: s
         dist_checkpointing.save(split_model.module.sharded_state_dict(), grads_dir)
 
         set_model_parallel(reference)
-        gathered = build_gpt_moe(TINY_MOE, reference)
+        gathered = build_gpt_moe(config, reference)
         _load(gathered, grads_dir)
         errors, smallest = {}, float("inf")
         for param_name, grad in gathered.named_parameters():

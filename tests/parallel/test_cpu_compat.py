@@ -193,3 +193,18 @@ def test_optimizer_host_params():
     for optimizer_class in (DistributedOptimizer, Float16OptimizerWithFloat16Params):
         name = f"optimizer_host_params.{optimizer_class.__name__}"
         assert optimizer_class.__init__ is not cpu_compat.original(name, "__init__")
+
+
+def test_tied_embeddings_on_host():
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = cpu_compat.original("tied_embeddings_on_host", "setup_embeddings_and_output_layer")
+    assert "weight.data = weight.data.cuda()" in inspect.getsource(setup)  # still in upstream
+    with pytest.raises(AssertionError, match="Torch not compiled with CUDA"):
+        torch.ones(2).cuda()
+    host = torch.ones(2)
+    with cpu_compat._cuda_copies_stay_on_host():
+        assert host.cuda() is host
+    assert LanguageModule.setup_embeddings_and_output_layer is not setup
+    with pytest.raises(AssertionError, match="Torch not compiled with CUDA"):
+        host.cuda()  # only while the embeddings are being set up
