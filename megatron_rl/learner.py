@@ -16,6 +16,7 @@ from megatron_rl.metrics import StepTimer
 from megatron_rl.models.policy import Policy, UpdateResult, metric_reduction
 from megatron_rl.moe.drift import routing_bytes
 from megatron_rl.parallel.schedule import PolicyLossSpec, PolicyMicroBatch
+from megatron_rl.parallel.stages import from_last_stage
 from megatron_rl.rollout.batch import EngineRouting, RolloutBatch, micro_batches, minibatch_rows
 
 
@@ -65,7 +66,10 @@ def learn(
             # it, and it is what the drift metrics compare the updated routers with).
             routing = "replay" if settings.routing_replay == "r3" else "record"
             policy.old_logprobs(every_micro_batch, routing=routing)
-            metrics |= _old_policy_metrics(every_micro_batch, engine_logp)
+            # The old log-probs are on the last pipeline stage; rank 0 logs.
+            last_stage = parallel_state.is_pipeline_last_stage()
+            old = _old_policy_metrics(every_micro_batch, engine_logp) if last_stage else {}
+            metrics |= from_last_stage(old)
             records = [layer for micro in every_micro_batch for layer in micro.routing or []]
             metrics["routing/record_bytes"] = float(routing_bytes(records))
             if settings.use_engine_logprobs:

@@ -25,6 +25,7 @@ from megatron_rl.parallel.schedule import (
     policy_forward_backward,
     policy_logprobs,
 )
+from megatron_rl.parallel.stages import from_last_stage, join_stages
 
 # Per-micro-batch sums used for the loss itself; the update reports the loss instead.
 _NOT_AVERAGED = ("loss/sum", "entropy/sum", "loss/denominator")
@@ -158,8 +159,8 @@ class Policy:
         # non-finite gradient is caught before it reaches the weights.
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
-        loss = _last_stage_value(float(result.loss))
-        metrics = _average_metrics(result.metrics) | drift
+        loss, metrics = from_last_stage((float(result.loss), _average_metrics(result.metrics)))
+        metrics |= drift
         skipped = not (torch.isfinite(torch.tensor([loss, grad_norm])).all())
         if not skipped:
             self.optimizer.step()
@@ -233,27 +234,15 @@ def metric_reduction(key: str) -> Literal["max", "min", "mean"]:
 
 def _replay_drift(micro_batch: PolicyMicroBatch, free: list[Tensor]) -> dict[str, float]:
     """How far the routing the current weights would choose has drifted from the replayed one
-    (the old policy's, R2, or the engine's, R3): this rank's last micro-batch, response tokens
-    (all tokens under sequence parallelism, whose slices the mask does not follow)."""
-    replayed = torch.stack(micro_batch.routing, 1)
-    chosen = torch.stack(free, 1).to(replayed.dtype)
+    (the old policy's, R2, or the engine's, R3): this rank's last micro-batch, every layer (all
+    pipeline stages), response tokens (all tokens under sequence parallelism, whose slices the
+    mask does not follow)."""
+    replayed = join_stages(torch.stack(micro_batch.routing, 1), dim=1)
+    chosen = join_stages(torch.stack(free, 1).to(replayed.dtype), dim=1)
     # Routers see tokens sequence-major: position, then row.
     mask = micro_batch.loss_mask.transpose(0, 1).reshape(-1)
     drift = routing_drift(replayed, chosen, mask if mask.numel() == len(replayed) else None)
     return {f"routing/{key.replace('/', '_')}": float(value) for key, value in drift.items()}
-
-
-def _last_stage_value(value: float) -> float:
-    """A value only the last pipeline stage knows, on every rank (a float64 broadcast)."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return value
-    box = torch.tensor([value], dtype=torch.float64)
-    dist.broadcast(
-        box,
-        src=parallel_state.get_pipeline_model_parallel_last_rank(),
-        group=parallel_state.get_pipeline_model_parallel_group(),
-    )
-    return float(box)
 
 
 def _average_metrics(per_micro_batch: list[dict[str, Tensor]]) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """Hugging Face <-> Megatron-Core conversion for Qwen3-MoE and Mixtral: logits agree, the round
-trip is bit-exact, the weight stream yields every tensor once, at 1 process and TP=2 / EP=2."""
+trip is bit-exact, the weight stream yields every tensor once, at 1 process, TP=2, EP=2 and PP=2,
+with untied and tied embeddings."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ LAYOUTS = {
     "tp2": ({"tp": 2}, 2),
     "ep2": ({"ep": 2}, 2),
     "tp2_ep2": ({"tp": 2, "ep": 2, "etp": 1}, 2),  # attention split by TP, experts by EP
+    "pp2": ({"pp": 2}, 2),  # one layer per stage
 }
 
 
@@ -33,7 +35,7 @@ def _all_tensors(directory):
     return tensors
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["single", "tp2", "ep2", "tp2_ep2"])
 def test_logits_of_converted_model_match_hugging_face(hf_dir, layout):
     dims, world = LAYOUTS[layout]
     for report in run_on_ranks(convert_worker.logits_match, str(hf_dir), dims, world_size=world):
@@ -41,7 +43,7 @@ def test_logits_of_converted_model_match_hugging_face(hf_dir, layout):
         assert report["max_abs_diff"] <= 1e-4, report
 
 
-@pytest.mark.parametrize("layout", ["single", "tp2_ep2"])
+@pytest.mark.parametrize("layout", ["single", "tp2_ep2", "pp2"])
 def test_round_trip_is_bit_exact(hf_dir, layout, tmp_path):
     dims, world = LAYOUTS[layout]
     run_on_ranks(
@@ -57,6 +59,25 @@ def test_round_trip_is_bit_exact(hf_dir, layout, tmp_path):
     )
     assert (back / "tokenizer_config.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+@pytest.mark.parametrize("layout", ["single", "pp2"])
+def test_tied_embeddings_round_trip_and_stream_once(layout, tmp_path):
+    """A tied model: under PP the last stage holds a copy of the embedding as its output layer;
+    the round trip writes the embedding once, and the stream yields it once."""
+    hf_dir = save_tiny("qwen3_moe", tmp_path / "hf", tie_word_embeddings=True)
+    dims, world = LAYOUTS[layout]
+    run_on_ranks(
+        convert_worker.convert_both_ways, str(hf_dir), str(tmp_path), dims, world_size=world
+    )
+    _assert_same_tensors(tmp_path / "hf-again", hf_dir)
+    assert "lm_head.weight" not in _all_tensors(tmp_path / "hf-again")
+    reports = run_on_ranks(
+        convert_worker.stream_report, str(hf_dir), dims, 20_000, world_size=world
+    )
+    streamed = [entry for bucket in reports[0]["buckets"] for entry in bucket]
+    assert sorted(name for name, _, _ in streamed) == sorted(_all_tensors(hf_dir))
+    assert all(same for _, _, same in streamed)
 
 
 def _assert_same_tensors(directory, reference):
@@ -93,7 +114,7 @@ def test_checkpoint_of_either_format_exports_at_another_layout(hf_dir, format_ve
         assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in keys
 
 
-@pytest.mark.parametrize("layout", ["single", "tp2_ep2"])
+@pytest.mark.parametrize("layout", ["single", "tp2_ep2", "pp2"])
 def test_stream_yields_every_tensor_once_within_the_bucket_size(hf_dir, layout):
     layout, world = LAYOUTS[layout]
     bucket_bytes = 20_000

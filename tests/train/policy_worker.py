@@ -126,8 +126,14 @@ def weight_sync(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]) -> dict[
     def trainer_logp() -> tuple[torch.Tensor, torch.Tensor]:
         micro = micro_batches(batch, rows, dp_rank=0, dp_size=1, micro_batch_size=len(rows))
         policy.old_logprobs(micro)
-        mask = micro[0].loss_mask
-        return torch.where(mask, micro[0].old_logp, 0.0), mask
+        logp, mask = micro[0].old_logp, micro[0].loss_mask
+        if dims.pp > 1:  # only the last stage has them; rank 0 (the first stage) compares
+            torch.distributed.broadcast(
+                logp,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        return torch.where(mask, logp, 0.0), mask
 
     result: dict[str, float] = {}
     logp, mask = trainer_logp()

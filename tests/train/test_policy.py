@@ -16,8 +16,8 @@ TINY_MODEL = str(Path(__file__).resolve().parents[2] / "examples" / "moe" / "tin
 
 @pytest.mark.parametrize(
     ("world_size", "layout"),
-    [(1, {}), (2, {"ep": 2}), (2, {"tp": 2, "etp": 1})],
-    ids=["one_rank", "ep2", "tp2_etp1"],
+    [(1, {}), (2, {"ep": 2}), (2, {"tp": 2, "etp": 1}), (2, {"pp": 2})],
+    ids=["one_rank", "ep2", "tp2_etp1", "pp2"],
 )
 def test_engine_log_probs_equal_the_trainers_after_each_sync(world_size, layout):
     result = run_on_ranks(policy_worker.weight_sync, TINY_MODEL, layout, world_size=world_size)[0]

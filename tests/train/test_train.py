@@ -1,5 +1,5 @@
 """`megatron-rl train` end to end on the shipped tiny model: each loss with and without routing
-replay, 2 ranks with EP=2, exact resume after a kill and what a resume refuses, non-finite steps,
+replay, 2 ranks with EP=2, PP=2 or TP=2 (experts whole), exact resume after a kill and what a resume refuses, non-finite steps,
 bad input."""
 
 from __future__ import annotations
@@ -103,9 +103,21 @@ def test_engine_logprobs_export_and_wandb(tmp_path):
     assert "model.layers.3.mlp.experts.7.down_proj.weight" in tensors
 
 
-def test_two_ranks_with_expert_parallelism(tmp_path):
-    result = train_cli(tmp_path, ["parallel.ep=2"], nproc=2)
-    _check_run(result, tmp_path)
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.ep=2"], ["parallel.pp=2"], ["parallel.tp=2", "parallel.etp=1"]],
+    ids=["ep2", "pp2", "tp2_etp1"],
+)
+def test_two_ranks(tmp_path, layout):
+    metrics = _check_run(train_cli(tmp_path, layout, nproc=2), tmp_path)
+    # Rank 0 logs. Under PP=2 it is on the first stage, and the loss metrics, the old-policy
+    # log-probs and half of the routers are on the second: all of them must reach the log.
+    for step in (1, 2):
+        record = metrics[step]
+        for key in ("clip_frac/seq", "ratio/mean", "kl/k3", "entropy/mean"):
+            assert math.isfinite(record[key]), (step, key)
+        assert record["mismatch/k3"] < 1e-8  # the trainer's old log-probs, not the engine's
+        assert all(f"routing/drift_layer_{layer}" in record for layer in range(4))
 
 
 def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path):
