@@ -1,6 +1,6 @@
 """`megatron-rl train` end to end on the shipped tiny model: each loss with and without routing
-replay, 2 ranks with EP=2, PP=2 or TP=2 (experts whole), exact resume after a kill and what a resume refuses, non-finite steps,
-bad input."""
+replay, 2 ranks with EP=2, PP=2 or TP=2 (experts whole), exact resume after a kill and what a
+resume refuses, non-finite steps, bad input."""
 
 from __future__ import annotations
 
