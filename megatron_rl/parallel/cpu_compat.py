@@ -261,20 +261,38 @@ _CUDA_TYPE_NAMES = {
 
 
 @contextlib.contextmanager
-def _host_tensors_typed_as_cuda() -> Iterator[None]:
-    """While active, `tensor.type()` of a floating host tensor names its CUDA type."""
-    host_type = torch.Tensor.type
+def _tensor_method_replaced(name: str, replace: Callable[[Any], Any]) -> Iterator[None]:
+    """While active, the tensor method `name` is `replace(original method)`."""
+    original = getattr(torch.Tensor, name)
+    setattr(torch.Tensor, name, replace(original))
+    try:
+        yield
+    finally:
+        setattr(torch.Tensor, name, original)
 
+
+def _within(context: Callable[[], Any], method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method`, run inside a fresh `context()` at every call."""
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with context():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+def _cuda_type_names(host_type: Callable[..., Any]) -> Callable[..., Any]:
     def type_name(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not args and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
             return _CUDA_TYPE_NAMES[self.dtype]
         return host_type(self, *args, **kwargs)
 
-    torch.Tensor.type = type_name
-    try:
-        yield
-    finally:
-        torch.Tensor.type = host_type
+    return type_name
+
+
+def _host_tensors_typed_as_cuda() -> contextlib.AbstractContextManager[None]:
+    """While active, `tensor.type()` of a floating host tensor names its CUDA type."""
+    return _tensor_method_replaced("type", _cuda_type_names)
 
 
 def _optimizer_host_params() -> None:
@@ -295,31 +313,20 @@ def _optimizer_host_params() -> None:
             f"optimizer_host_params.{optimizer_class.__name__}",
             optimizer_class,
             "__init__",
-            _built_with_host_params(optimizer_class.__init__),
+            _within(_host_tensors_typed_as_cuda, optimizer_class.__init__),
         )
 
 
-def _built_with_host_params(cuda_only_init: Callable[..., None]) -> Callable[..., None]:
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        with _host_tensors_typed_as_cuda():
-            cuda_only_init(self, *args, **kwargs)
-
-    return init
-
-
-@contextlib.contextmanager
-def _cuda_copies_stay_on_host() -> Iterator[None]:
-    """While active, `tensor.cuda()` of a host tensor returns the tensor itself."""
-    host_cuda = torch.Tensor.cuda
-
+def _stay_on_host(host_cuda: Callable[..., Any]) -> Callable[..., Any]:
     def stay(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self if self.device.type == "cpu" else host_cuda(self, *args, **kwargs)
 
-    torch.Tensor.cuda = stay
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = host_cuda
+    return stay
+
+
+def _cuda_copies_stay_on_host() -> contextlib.AbstractContextManager[None]:
+    """While active, `tensor.cuda()` of a host tensor returns the tensor itself."""
+    return _tensor_method_replaced("cuda", _stay_on_host)
 
 
 def _tied_embeddings_on_host() -> None:
@@ -329,17 +336,11 @@ def _tied_embeddings_on_host() -> None:
     # with CUDA enabled" on a CPU build). On the host the copy stays where it is.
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    setup = LanguageModule.setup_embeddings_and_output_layer
-
-    def setup_on_host(self: Any, *args: Any, **kwargs: Any) -> None:
-        with _cuda_copies_stay_on_host():
-            setup(self, *args, **kwargs)
-
     _patch(
         "tied_embeddings_on_host",
         LanguageModule,
         "setup_embeddings_and_output_layer",
-        setup_on_host,
+        _within(_cuda_copies_stay_on_host, LanguageModule.setup_embeddings_and_output_layer),
     )
 
 
