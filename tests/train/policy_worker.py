@@ -181,7 +181,7 @@ def checkpoint_round_trip(
     settings = OptimizerSettings(lr=1e-3, distributed=distributed)
     saved = Policy(hf_dir, dims, settings)
     for _ in range(SAVED_AFTER_UPDATES):
-        _one_update(saved, batch, launch)
+        _one_update(saved, batch)
     # an older writer: both the weights' keys and megatron_rl.json's format field
     train_state.FORMAT_VERSION = convert.FORMAT_VERSION = format_version
     path = train_state.save_checkpoint(Path(directory), 1, saved, {"seen": 8}, keep=1)
@@ -206,8 +206,8 @@ def checkpoint_round_trip(
         "main_weights_numel": sum(w.numel() for w in main_weights(saved.optimizer)),
     }
     # and the restored optimizer takes the next step exactly as the saved one does
-    _one_update(saved, batch, launch)
-    _one_update(fresh, batch, launch)
+    _one_update(saved, batch)
+    _one_update(fresh, batch)
     report["next_step_differs"] = _differing(
         saved.model.module.state_dict(), fresh.model.module.state_dict()
     )
