@@ -10,7 +10,6 @@ is available and gloo otherwise.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -109,17 +108,18 @@ def init_distributed(
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank)
     if not dist.is_initialized():
-        if launch.launcher == "single":
-            # One process needs no port: a store file in a fresh directory cannot collide.
-            init_method = f"file://{tempfile.mkdtemp(prefix='megatron-rl-')}/store"
-        else:
-            init_method = f"tcp://{launch.master_addr}:{launch.master_port}"
+        # One process needs no rendezvous: an in-memory store takes no port and leaves no file.
+        rendezvous = (
+            {"store": dist.HashStore()}
+            if launch.launcher == "single"
+            else {"init_method": f"tcp://{launch.master_addr}:{launch.master_port}"}
+        )
         dist.init_process_group(
             backend=backend(),
-            init_method=init_method,
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=timeout,
+            **rendezvous,
         )
     set_model_parallel(dims, seed=seed)
 

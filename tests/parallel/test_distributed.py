@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from megatron_rl.parallel.dims import ParallelDims
@@ -53,3 +57,26 @@ def test_layout_and_launch_must_agree_before_anything_starts():
     launch = LaunchEnv.from_environ({"RANK": "0", "WORLD_SIZE": "4"})
     with pytest.raises(ValueError, match=r"world_size: the layout is for 2 ranks but the launcher"):
         init_distributed(ParallelDims(world_size=2), launch)
+
+
+def test_a_single_process_starts_without_a_port_or_a_file(tmp_path):
+    code = (
+        "import torch.distributed as dist\n"
+        "from megatron_rl.parallel.dims import ParallelDims\n"
+        "from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, "
+        "shutdown_distributed\n"
+        "init_distributed(ParallelDims(world_size=1), LaunchEnv.from_environ({}))\n"
+        "print(dist.get_world_size(), dist.get_backend())\n"
+        "shutdown_distributed()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env | {"TMPDIR": str(tmp_path), "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1", "gloo"]
+    assert list(tmp_path.iterdir()) == []  # no rendezvous file left behind
