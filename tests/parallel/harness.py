@@ -1,10 +1,14 @@
 """Run a function on N gloo ranks in spawned processes; every process is stopped, by its handle,
-whatever happens (error, hang, test failure)."""
+whatever happens (error, hang, test failure), and so is every process a rank started (by the
+rank's process group)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import queue as queue_module
+import signal
 import socket
 import time
 import traceback
@@ -21,6 +25,9 @@ def free_port() -> int:
 
 
 def _worker(target: Callable[..., Any], launch: LaunchEnv, results: Any, args: tuple) -> None:
+    # Lead a process group of its own: what the rank starts (megatron-core's checkpoint
+    # writers, say) is stopped with it, even when the rank itself is killed.
+    os.setpgrp()
     try:
         results.put((launch.rank, "ok", target(launch, *args)))
     except BaseException:
@@ -91,4 +98,6 @@ def run_on_ranks(
             if process.is_alive():
                 process.kill()
                 process.join()
+            with contextlib.suppress(ProcessLookupError):  # no member of the group is left
+                os.killpg(process.pid, signal.SIGKILL)
     return [collected[rank] for rank in range(world_size)]
