@@ -45,6 +45,7 @@ from megatron_rl.models.hf_weights import (
     unmapped_hf_names,
 )
 from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.parallel.distributed import host_all_reduce
 
 FORMAT_VERSION = 2
 METADATA = "megatron_rl.json"
@@ -94,8 +95,7 @@ def _staging_dir(out: Path, *, overwrite: bool) -> Path:
 
 def _finish(staging: Path, out: Path, failed: bool) -> None:
     """All ranks agree on success before rank 0 publishes; any failure removes the staging."""
-    flag = torch.tensor([1 if failed else 0])
-    dist.all_reduce(flag)
+    flag = host_all_reduce(torch.tensor([1 if failed else 0]))
     if dist.get_rank() == 0:
         if int(flag) == 0:
             publish(staging, out)

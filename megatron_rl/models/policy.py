@@ -19,6 +19,7 @@ from megatron_rl.models.hf_weights import HFWeightStream, load_hf_weights, strea
 from megatron_rl.moe.drift import routing_drift
 from megatron_rl.moe.replay import RoutingReplay
 from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.parallel.distributed import host_all_reduce
 from megatron_rl.parallel.schedule import (
     PolicyLossSpec,
     PolicyMicroBatch,
@@ -202,9 +203,8 @@ class Policy:
         )
         totals = torch.cat([values * last_stage, torch.tensor([float(last_stage)])]).double()
         if dist.get_world_size() > 1:
-            totals = totals.to(_device())
-            dist.all_reduce(totals)
-        mean = (totals[:-1] / totals[-1]).float().cpu()
+            totals = host_all_reduce(totals)
+        mean = (totals[:-1] / totals[-1]).float()
         return list(mean.split([len(seq) - 1 for seq in sequences]))
 
     def weight_stream(self, *, bucket_bytes: int = 512 * 2**20) -> HFWeightStream:
@@ -212,14 +212,6 @@ class Policy:
         return stream_hf_weights(
             self.model.module, self.family, self.config, bucket_bytes=bucket_bytes
         )
-
-
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
 
 
 def metric_reduction(key: str) -> Literal["max", "min", "mean"]:
@@ -237,10 +229,11 @@ def _replay_drift(micro_batch: PolicyMicroBatch, free: list[Tensor]) -> dict[str
     (the old policy's, R2, or the engine's, R3): this rank's last micro-batch, every layer (all
     pipeline stages), response tokens (all tokens under sequence parallelism, whose slices the
     mask does not follow)."""
-    replayed = join_stages(torch.stack(micro_batch.routing, 1), dim=1)
+    device = free[0].device  # the model's (R3's replayed routing comes from the host)
+    replayed = join_stages(torch.stack(micro_batch.routing, 1).to(device), dim=1)
     chosen = join_stages(torch.stack(free, 1).to(replayed.dtype), dim=1)
     # Routers see tokens sequence-major: position, then row.
-    mask = micro_batch.loss_mask.transpose(0, 1).reshape(-1)
+    mask = micro_batch.loss_mask.transpose(0, 1).reshape(-1).to(device)
     drift = routing_drift(replayed, chosen, mask if mask.numel() == len(replayed) else None)
     return {f"routing/{key.replace('/', '_')}": float(value) for key, value in drift.items()}
 
@@ -266,10 +259,9 @@ def _average_metrics(per_micro_batch: list[dict[str, Tensor]]) -> dict[str, floa
     )
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(totals[0], group=group)
-        dist.all_reduce(totals[3], group=group)
-        dist.all_reduce(totals[1], op=dist.ReduceOp.MAX, group=group)
-        dist.all_reduce(totals[2], op=dist.ReduceOp.MIN, group=group)
+        totals[[0, 3]] = host_all_reduce(totals[[0, 3]], group=group)
+        totals[1] = host_all_reduce(totals[1], op=dist.ReduceOp.MAX, group=group)
+        totals[2] = host_all_reduce(totals[2], op=dist.ReduceOp.MIN, group=group)
     row = {"max": 1, "min": 2}
     return {
         key: float(totals[0, index] / totals[3, index])

@@ -10,7 +10,7 @@ total in `finalize_model_grads`: gradient accumulation and DP give the gradient 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any, Protocol
 
@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
 from megatron_rl.algo import DEFAULT_LOSS_AGG, compute_policy_loss, policy_loss_denominator
+from megatron_rl.parallel.distributed import host_all_reduce
 from megatron_rl.parallel.logprobs import vocab_parallel_logprobs
 from megatron_rl.parallel.packing import packed_positions, packed_targets, unpack
 
@@ -58,6 +59,13 @@ class PolicyMicroBatch:
     old_entropy: Tensor | None = None
     cu_seqlens: Tensor | None = None
     routing: list[Tensor] | None = None
+
+    def to(self, device: torch.device) -> PolicyMicroBatch:
+        """This micro-batch with every tensor on `device`; itself when they are already there."""
+        if self.tokens.device == device:
+            return self
+        moved = {item.name: _on_device(getattr(self, item.name), device) for item in fields(self)}
+        return PolicyMicroBatch(**moved)
 
     def targets(self) -> Tensor:
         """The next token at each position (a sequence's last position repeats its own token)."""
@@ -107,6 +115,14 @@ class PolicyMicroBatch:
         )
 
 
+def _on_device(value: Tensor | list[Tensor] | None, device: torch.device) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [tensor.to(device) for tensor in value]
+    return value.to(device)
+
+
 class RoutingControl(Protocol):
     """What the schedule needs from routing replay (`megatron_rl.moe.replay.RoutingReplay`)."""
 
@@ -119,6 +135,11 @@ class RoutingControl(Protocol):
     def replay_backward_from(self, output: Tensor) -> None: ...
 
     def finish(self) -> int: ...
+
+
+# (the micro-batch the caller holds, its copy on the model's device) -> the schedule's loss
+# function of the model's output
+MakeLossFunc = Callable[[PolicyMicroBatch, PolicyMicroBatch], Callable[[Tensor], Any]]
 
 
 @dataclass(frozen=True)
@@ -176,13 +197,16 @@ def _router_tokens(micro_batch: PolicyMicroBatch, model: torch.nn.Module) -> int
 
 
 def _forward_step(
-    make_loss_func: Callable[[PolicyMicroBatch], Callable],
+    make_loss_func: MakeLossFunc,
     replay: RoutingControl | None,
     record_routing: bool,
+    device: torch.device,
     data_iterator: Iterator[PolicyMicroBatch],
     model: torch.nn.Module,
 ) -> tuple[Tensor, Any]:
-    micro_batch = next(data_iterator)
+    # Rollouts stay in host memory; each micro-batch visits the model's device for its step.
+    held = next(data_iterator)
+    micro_batch = held.to(device)
     if replay is not None:
         if record_routing:
             replay.record()
@@ -201,10 +225,10 @@ def _forward_step(
     )
     if replay is not None:
         if record_routing:
-            micro_batch.routing = replay.collect()
+            held.routing = replay.collect()
         else:
             replay.replay_backward_from(output)
-    return output, make_loss_func(micro_batch)
+    return output, make_loss_func(held, micro_batch)
 
 
 @dataclass(frozen=True)
@@ -236,7 +260,7 @@ def policy_forward_backward(
     results = _run_schedule(
         model,
         micro_batches,
-        lambda micro_batch: partial(policy_loss_func, micro_batch, spec),
+        lambda held, micro_batch: partial(policy_loss_func, micro_batch, spec),
         forward_only=forward_only,
         replay=replay,
         record_routing=record_routing,
@@ -247,7 +271,7 @@ def policy_forward_backward(
 def _run_schedule(
     model: torch.nn.Module,
     micro_batches: list[PolicyMicroBatch],
-    make_loss_func: Callable[[PolicyMicroBatch], Callable],
+    make_loss_func: MakeLossFunc,
     *,
     forward_only: bool,
     replay: RoutingControl | None,
@@ -263,7 +287,9 @@ def _run_schedule(
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = getattr(model, "no_sync", None)
     results = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, make_loss_func, replay, record_routing),
+        forward_step_func=partial(
+            _forward_step, make_loss_func, replay, record_routing, _model_device(model)
+        ),
         data_iterator=iter(micro_batches),
         model=[model],
         num_microbatches=len(micro_batches),
@@ -276,17 +302,22 @@ def _run_schedule(
     return results
 
 
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _store_logprobs(
-    micro_batch: PolicyMicroBatch, logits: Tensor
+    held: PolicyMicroBatch, micro_batch: PolicyMicroBatch, logits: Tensor
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """A loss function that keeps the micro-batch's token log-probs and entropy instead."""
+    """A loss function that keeps the token log-probs and entropy instead, in the micro-batch
+    the caller holds (`micro_batch` is its copy on the model's device)."""
     token = vocab_parallel_logprobs(
         logits.detach(),
         micro_batch.targets(),
         group=parallel_state.get_tensor_model_parallel_group(),
     )
-    micro_batch.old_logp = token.logp
-    micro_batch.old_entropy = token.entropy
+    held.old_logp = token.logp.to(held.tokens.device)
+    held.old_entropy = token.entropy.to(held.tokens.device)
     zero = torch.zeros((), dtype=torch.float32, device=logits.device)
     return zero, torch.ones((), dtype=torch.int), {}
 
@@ -305,7 +336,7 @@ def policy_logprobs(
         _run_schedule(
             model,
             micro_batches,
-            lambda micro_batch: partial(_store_logprobs, micro_batch),
+            lambda held, micro_batch: partial(_store_logprobs, held, micro_batch),
             forward_only=True,
             replay=replay,
             record_routing=record_routing,
@@ -322,7 +353,7 @@ def _global_loss(
         totals[0] = sum(float(m["loss/sum"]) for m in metrics)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(totals, group=group)
+        totals = host_all_reduce(totals, group=group)
     loss = totals[0] / totals[1]
     if not parallel_state.is_pipeline_last_stage():
         loss = torch.tensor(float("nan"), dtype=torch.float64)
