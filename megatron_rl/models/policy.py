@@ -194,18 +194,11 @@ class Policy:
             )
         self.old_logprobs(micro_batches)
         # Only the last pipeline stage has log-probs; every rank of it holds the same ones.
-        last_stage = parallel_state.is_pipeline_last_stage()
-        values = torch.cat(
-            [
-                mb.old_logp[0, : len(seq) - 1].float().cpu()
-                for mb, seq in zip(micro_batches, sequences, strict=True)
-            ]
-        )
-        totals = torch.cat([values * last_stage, torch.tensor([float(last_stage)])]).double()
-        if dist.get_world_size() > 1:
-            totals = host_all_reduce(totals)
-        mean = (totals[:-1] / totals[-1]).float()
-        return list(mean.split([len(seq) - 1 for seq in sequences]))
+        values = [
+            mb.old_logp[0, : len(seq) - 1].float().cpu()
+            for mb, seq in zip(micro_batches, sequences, strict=True)
+        ]
+        return from_last_stage(values)
 
     def weight_stream(self, *, bucket_bytes: int = 512 * 2**20) -> HFWeightStream:
         """The current weights as Hugging Face tensors on global rank 0 (a collective)."""

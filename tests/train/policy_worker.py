@@ -15,6 +15,7 @@ from megatron_rl.models.policy import OptimizerSettings, Policy
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
 from megatron_rl.parallel.schedule import PolicyLossSpec
+from megatron_rl.parallel.stages import from_last_stage
 from megatron_rl.rewards import ArithmeticTask
 from megatron_rl.rollout.batch import build_rollout_batch, micro_batches
 from megatron_rl.rollout.codec import PromptCodec
@@ -126,13 +127,8 @@ def weight_sync(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]) -> dict[
     def trainer_logp() -> tuple[torch.Tensor, torch.Tensor]:
         micro = micro_batches(batch, rows, dp_rank=0, dp_size=1, micro_batch_size=len(rows))
         policy.old_logprobs(micro)
-        logp, mask = micro[0].old_logp, micro[0].loss_mask
-        if dims.pp > 1:  # only the last stage has them; rank 0 (the first stage) compares
-            torch.distributed.broadcast(
-                logp,
-                src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                group=parallel_state.get_pipeline_model_parallel_group(),
-            )
+        # only the last stage has them; rank 0 (the first stage under PP) compares
+        logp, mask = from_last_stage(micro[0].old_logp), micro[0].loss_mask
         return torch.where(mask, logp, 0.0), mask
 
     result: dict[str, float] = {}
