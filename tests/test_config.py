@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.config import ConfigError, Recipe, load_config
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.trainer.recipe import Recipe
 
 
 def _recipe(tmp_path, text):

@@ -234,6 +234,9 @@ class PolicyLoss:
     default_clip: tuple[float, float]
     options: dict[str, Any] = field(default_factory=dict)  # option name -> default
     needs_segments: bool = False
+    # The old policy's token entropy (SSPO's entropy-adaptive bounds at its default options),
+    # which only a forward of the old policy gives; the engine returns log-probs alone.
+    needs_old_entropy: bool = False
     # Validates the loss's own options (and what they require); returns them normalised.
     check_options: Callable[[dict[str, Any], Tensor | None], dict[str, Any]] | None = None
 
@@ -249,6 +252,7 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
         (0.2, 0.2),
         options={"sspo_entropy_coef": 1.0, "sspo_lower": "entropy"},
         needs_segments=True,
+        needs_old_entropy=True,
         check_options=_check_sspo_options,
     ),
     "gmpo": PolicyLoss(gmpo_objective, "sequence", "arXiv 2507.20673", (0.4, 0.4)),

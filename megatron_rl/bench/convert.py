@@ -25,7 +25,7 @@ import torch
 
 from megatron_rl.bench.report import machine, now
 from megatron_rl.bench.report import write_report as report_files
-from megatron_rl.checkpoint.hf_files import TensorSpec, write_safetensors_shards
+from megatron_rl.files.safetensors_shards import TensorSpec, write_safetensors_shards
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import qwen3_moe
 from megatron_rl.models.families.base import bind_rules
@@ -209,7 +209,7 @@ def time_checkpoint_keys(layers: int, experts: int, workdir: Path) -> dict[str, 
     the bytes (a few MB here). Keyed by format version (as text, as in the JSON report)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.checkpoint.convert import SHARDED_KEYS, model_sharded_state_dict
+    from megatron_rl.checkpoint.format import SHARDED_KEYS, model_sharded_state_dict
     from megatron_rl.models.build import build_gpt_moe
     from megatron_rl.parallel.dims import ParallelDims
     from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, shutdown_distributed

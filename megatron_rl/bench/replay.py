@@ -58,14 +58,16 @@ def bench_model(layers: int) -> MoEModelConfig:
 def run_depth(layers: int, spec: ReplayBenchSpec) -> dict[str, object]:
     """Both modes on one model depth, in this process: two models with the same weights, one
     built for replay, stepped in alternating order (ABBA) so that drift hits both alike."""
-    from megatron_rl.models.build import build_gpt_moe, wrap_for_training
+    from megatron_rl.models.build import build_gpt_moe
     from megatron_rl.moe.drift import routing_bytes
     from megatron_rl.moe.replay import RoutingReplay
     from megatron_rl.parallel.dims import ParallelDims
     from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
-    from megatron_rl.parallel.schedule import (
+    from megatron_rl.trainer.micro_batch import PolicyMicroBatch
+    from megatron_rl.trainer.optimizer import wrap_for_training
+    from megatron_rl.trainer.schedule import (
         PolicyLossSpec,
-        PolicyMicroBatch,
+        old_policy_pass,
         policy_forward_backward,
     )
 
@@ -92,17 +94,20 @@ def run_depth(layers: int, spec: ReplayBenchSpec) -> dict[str, object]:
         for _ in range(spec.micro_batches)
     ]
     loss = PolicyLossSpec("grpo", 0.2, 0.27)
+    # per mode, the micro-batches with the routing its last old pass recorded (R2)
+    recorded: dict[str, list[PolicyMicroBatch]] = {}
 
     def old_pass(mode: str) -> None:
-        for batch in batches:
-            batch.routing = None
-        policy_forward_backward(
-            ddps[mode], batches, loss, forward_only=True, replay=replays[mode], record_routing=True
-        )
+        recorded.pop(mode, None)
+        computed = old_policy_pass(ddps[mode], batches, replay=replays[mode], record_routing=True)
+        recorded[mode] = [
+            replace(batch, routing=old.routing)
+            for batch, old in zip(batches, computed, strict=True)
+        ]
 
     def train_pass(mode: str) -> None:
         ddps[mode].zero_grad_buffer()
-        policy_forward_backward(ddps[mode], batches, loss, replay=replays[mode])
+        policy_forward_backward(ddps[mode], recorded[mode], loss, replay=replays[mode])
 
     def step(mode: str) -> float:
         start = time.perf_counter()
@@ -119,8 +124,7 @@ def run_depth(layers: int, spec: ReplayBenchSpec) -> dict[str, object]:
         train_peak, _ = allocation_peak(lambda mode=mode: train_pass(mode))
         result[f"allocated_peak_bytes_{mode}"] = max(old_peak, kept + train_peak)
         result[f"kept_after_old_pass_bytes_{mode}"] = kept
-    # the micro-batches still carry the routing recorded by the last old pass, R2's (last in MODES)
-    result["routing_bytes"] = routing_bytes([t for b in batches for t in b.routing])
+    result["routing_bytes"] = routing_bytes([t for b in recorded["r2"] for t in b.routing])
     seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
     for pair in range(spec.pairs):
         for mode in MODES if pair % 2 == 0 else MODES[::-1]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.fileio import write_text_atomic
+from megatron_rl.files.atomic import write_text_atomic
 
 
 def resident_kib(field: str = "VmRSS") -> int:

@@ -22,14 +22,14 @@ import torch
 from megatron_rl.bench.convert import ConvertBenchSpec, write_synthetic_checkpoint
 from megatron_rl.bench.report import machine, now
 from megatron_rl.bench.report import write_report as report_files
-from megatron_rl.checkpoint.hf_files import HFCheckpoint, read_config
-from megatron_rl.config import Recipe, load_config
+from megatron_rl.config import load_config
+from megatron_rl.files.hf_checkpoint import HFCheckpoint, read_config
 from megatron_rl.rewards import ArithmeticTask
-from megatron_rl.rollout.backends import launch_settings
 from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.rollout.sglang import SYNC_METHODS, ServerGroup, SGLangEngine, make_weight_sync
+from megatron_rl.trainer.recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def run_benchmark(spec: SGLangBenchSpec, workdir: Path) -> dict[str, object]:
         if name == "synthetic":
             config = dataclasses.replace(config, mem_fraction_static=spec.synthetic_mem_fraction)
         # Server logs stay in `workdir` (kept when a step fails) until the end.
-        with ServerGroup(launch_settings(config, str(hf_dir)), workdir / name / "logs") as servers:
+        with ServerGroup(config, str(hf_dir), workdir / name / "logs") as servers:
             sync[name] = _sync_model(spec, servers, hf_dir, workdir / name)
             if name == "tiny":  # its own weights again: the recipe's model as shipped
                 rollout = _rollout_speed(spec, recipe, servers, workdir / "rollout")

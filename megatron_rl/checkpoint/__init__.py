@@ -1,1 +1,1 @@
-"""Checkpoints: Hugging Face files, and conversion to and from Megatron-Core."""
+"""megatron-rl checkpoints: their format, and conversion to and from Hugging Face."""

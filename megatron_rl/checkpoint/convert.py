@@ -1,139 +1,39 @@
-"""Hugging Face <-> Megatron-Core distributed checkpoints, on one process or under torchrun.
+"""Hugging Face <-> megatron-rl checkpoints (`format.py`), on one process or under torchrun.
 
-A megatron-rl checkpoint directory:
-
-    megatron_rl.json   format version, model family, the MoEModelConfig
-    hf/                the source config.json and tokenizer files (used again on export)
-    weights/           megatron-core dist_checkpointing files (loadable at any TP/EP/PP)
-
-Both directions write into a temporary directory beside `--out` and rename it when complete.
+Both directions write into a staging directory beside `--out` and rename it when every rank has
+finished (`megatron_rl.files.atomic.staged_directory`).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from tqdm import tqdm
 
-from megatron_rl.checkpoint.hf_files import (
-    ASSET_FILES,
-    HFCheckpoint,
-    TensorSpec,
-    check_output_dir,
-    copy_assets,
-    publish,
-    read_config,
-    write_safetensors_shards,
+from megatron_rl.checkpoint.format import (
+    model_sharded_state_dict,
+    read_metadata,
+    write_metadata,
 )
+from megatron_rl.files.atomic import staged_directory
+from megatron_rl.files.hf_checkpoint import asset_files, copy_assets, read_config
+from megatron_rl.files.safetensors_shards import TensorSpec, write_safetensors_shards
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import MoEModelConfig
-from megatron_rl.models.families import FAMILIES, family_for
 from megatron_rl.models.families.base import ModelFamily
+from megatron_rl.models.hf_source import HFSource
 from megatron_rl.models.hf_weights import (
     HFWeightStream,
     apply_hf_load,
     plan_hf_load,
     stream_hf_weights,
-    unmapped_hf_names,
 )
+from megatron_rl.parallel.collectives import raise_together
 from megatron_rl.parallel.dims import ParallelDims
-from megatron_rl.parallel.distributed import host_all_reduce
-
-FORMAT_VERSION = 2
-METADATA = "megatron_rl.json"
-
-# How `weights/` keys the model, by format version (the `metadata` of megatron-core's
-# `sharded_state_dict`). Format 1 stores each expert weight of all layers as one tensor of
-# layers x experts slices; saving and loading then compare every pair of slices for overlap
-# (megatron-core's and torch.distributed.checkpoint's validation), time that grows with the
-# square of layers x experts. Format 2 keys every layer and every expert on its own
-# (`singleton_local_shards`), so that checking is linear. Both reload at any TP/EP/PP.
-SHARDED_KEYS: dict[int, dict[str, bool] | None] = {1: None, 2: {"singleton_local_shards": True}}
-
-
-def model_sharded_state_dict(
-    model: torch.nn.Module, format_version: int = FORMAT_VERSION
-) -> ShardedStateDict:
-    """`model`'s (a megatron-core GPTModel, unwrapped) sharded state dict, keyed as checkpoints of
-    `format_version` key it."""
-    keys = SHARDED_KEYS[format_version]
-    # a fresh dict each call: megatron-core adds its process groups to the one it is given
-    return model.sharded_state_dict(metadata=None if keys is None else dict(keys))
-
-
-def _broadcast_path(path: Path | None) -> Path:
-    """Rank 0 chose it; every rank gets it."""
-    box = [str(path) if path is not None else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
-
-
-def _staging_dir(out: Path, *, overwrite: bool) -> Path:
-    """Rank 0 checks the target and makes a temporary sibling; every rank learns its path."""
-    error = None
-    staging = None
-    if dist.get_rank() == 0:
-        try:
-            check_output_dir(out, overwrite=overwrite)
-            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-        except ValueError as caught:
-            error = str(caught)
-    box = [error]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise ValueError(box[0])
-    return _broadcast_path(staging)
-
-
-def _finish(staging: Path, out: Path, failed: bool) -> None:
-    """All ranks agree on success before rank 0 publishes; any failure removes the staging."""
-    flag = host_all_reduce(torch.tensor([1 if failed else 0]))
-    if dist.get_rank() == 0:
-        if int(flag) == 0:
-            publish(staging, out)
-        else:
-            shutil.rmtree(staging, ignore_errors=True)
-    dist.barrier()
-
-
-@dataclass(frozen=True)
-class HFSource:
-    """A Hugging Face checkpoint, checked and matched to a family (before any process group)."""
-
-    checkpoint: HFCheckpoint
-    family: ModelFamily
-    config: MoEModelConfig
-
-
-def inspect_hf(hf_dir: Path) -> HFSource:
-    """Open and check a Hugging Face checkpoint: files, architecture, config, unused tensors."""
-    checkpoint = HFCheckpoint(hf_dir)
-    family = family_for(checkpoint.config)
-    config = family.config_from_hf(checkpoint.config)
-    extra = unmapped_hf_names(family, config, checkpoint.names())
-    if extra:
-        raise ValueError(
-            f"{hf_dir}: {len(extra)} tensor(s) the {family.architecture} mapping does not use, "
-            f"e.g. {extra[:3]}; the config and the weights disagree"
-        )
-    return HFSource(checkpoint, family, config)
-
-
-def _agree(error: str | None) -> None:
-    """Every rank raises the first rank's error, so that no rank waits in a collective."""
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise ValueError(first)
 
 
 def hf_to_mcore(
@@ -147,17 +47,10 @@ def hf_to_mcore(
     """Convert a Hugging Face checkpoint into a megatron-rl checkpoint (Megatron-Core
     distributed weights). Runs on every rank of a world laid out as `dims`; each rank reads only
     the tensors of its own shard."""
-    staging = _staging_dir(out, overwrite=overwrite)
-    failed = True
-    try:
+    with staged_directory(out, overwrite=overwrite, collective=True) as staging:
         family, config = source.family, source.config
         model = build_gpt_moe(config, dims, initialize=False)
-        plan, error = None, None
-        try:
-            plan = plan_hf_load(model, family, config, source.checkpoint.shape)
-        except ValueError as caught:
-            error = str(caught)
-        _agree(error)
+        plan = raise_together(lambda: plan_hf_load(model, family, config, source.checkpoint.shape))
         bar = _Progress(len(plan.entries), "hf-to-mcore", progress and dist.get_rank() == 0)
         try:
             apply_hf_load(plan, source.checkpoint.tensor, on_param=bar)
@@ -169,57 +62,6 @@ def hf_to_mcore(
         dist_checkpointing.save(model_sharded_state_dict(model), str(staging / "weights"))
         if dist.get_rank() == 0:
             write_metadata(staging, family, config, source.checkpoint.directory)
-        failed = False
-    finally:
-        _finish(staging, out, failed)
-
-
-def write_metadata(ckpt: Path, family: ModelFamily, config: MoEModelConfig, hf_dir: Path) -> None:
-    """What makes `ckpt` (with its model in `weights/`) a megatron-rl checkpoint: METADATA and
-    `hf/` (config.json and tokenizer files of the Hugging Face checkpoint `hf_dir`)."""
-    (ckpt / "hf").mkdir()
-    shutil.copy2(hf_dir / "config.json", ckpt / "hf")
-    copy_assets([hf_dir / name for name in ASSET_FILES if (hf_dir / name).is_file()], ckpt / "hf")
-    metadata = {
-        "format": FORMAT_VERSION,
-        "architecture": family.architecture,
-        "model": asdict(config),
-    }
-    (ckpt / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
-
-
-@dataclass(frozen=True)
-class CheckpointMetadata:
-    """What `megatron_rl.json` says about a checkpoint."""
-
-    family: ModelFamily
-    config: MoEModelConfig
-    format_version: int
-
-
-def read_metadata(ckpt: Path) -> CheckpointMetadata:
-    path = ckpt / METADATA
-    if not path.is_file():
-        raise ValueError(f"--ckpt {ckpt}: no {METADATA}; not a megatron-rl checkpoint")
-    try:
-        metadata = json.loads(path.read_text())
-        version, architecture = metadata["format"], metadata["architecture"]
-        config = MoEModelConfig(**metadata["model"])
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise ValueError(f"{path}: unreadable ({error!r})") from None
-    if version not in SHARDED_KEYS:
-        raise ValueError(
-            f"{path}: format {version}, this version of megatron-rl reads formats "
-            f"{', '.join(map(str, SHARDED_KEYS))}"
-        )
-    if architecture not in FAMILIES:
-        raise ValueError(
-            f"{path}: architecture {architecture!r} is not supported; supported: "
-            f"{', '.join(FAMILIES)}"
-        )
-    if not (ckpt / "weights").is_dir():
-        raise ValueError(f"--ckpt {ckpt}: the weights/ directory is missing")
-    return CheckpointMetadata(FAMILIES[architecture], config, version)
 
 
 def mcore_to_hf(
@@ -268,18 +110,13 @@ def export_hf(
 ) -> None:
     """Write a live model (every rank's `model` chunk, unwrapped) as a Hugging Face checkpoint
     at `out`, with config.json and tokenizer files from `assets` (a collective)."""
-    staging = _staging_dir(out, overwrite=overwrite)
-    failed = True
-    try:
+    with staged_directory(out, overwrite=overwrite, collective=True) as staging:
         stream = stream_hf_weights(model, family, config, bucket_bytes=bucket_bytes)
         if dist.get_rank() == 0:
             _write_hf(staging, assets, family, config, stream, max_shard_bytes, progress)
         else:
             for _ in stream:
                 pass
-        failed = False
-    finally:
-        _finish(staging, out, failed)
 
 
 class _Progress:
@@ -321,4 +158,4 @@ def _write_hf(
     finally:
         bar.close()
     (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    copy_assets([assets / name for name in ASSET_FILES if (assets / name).is_file()], staging)
+    copy_assets(asset_files(assets), staging)

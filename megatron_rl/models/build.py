@@ -7,26 +7,20 @@ available.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.config import Dispatcher, MoEModelConfig
 from megatron_rl.parallel.dims import ParallelDims
-
-Dispatcher = Literal["alltoall", "allgather"]
 
 
 def transformer_engine_available() -> bool:
@@ -190,47 +184,3 @@ def _reduce_expert_grads_over_expert_data_parallel(model: GPTModel) -> None:
         if isinstance(module, MoELayer):
             for param in module.experts.parameters():
                 param.allreduce = False
-
-
-def wrap_for_training(model: GPTModel, *, distributed_optimizer: bool) -> DistributedDataParallel:
-    """Megatron-Core's DDP wrapper: gradients in fp32 `main_grad` buffers, reduced over DP in
-    `finalize_model_grads` (no averaging: the policy loss brings its own global denominator).
-
-    With `distributed_optimizer` the gradients are reduce-scattered instead of all-reduced (a
-    rank's `main_grad` is then the full gradient only on its own 1/DP shard), and the optimizer
-    built on this wrapper (`build_optimizer`) keeps Adam's state and the fp32 main weights of that
-    shard only, all-gathering the updated weights after each step. Code that reads whole
-    gradients from `main_grad` needs it off.
-    """
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=distributed_optimizer,
-        average_in_collective=False,
-    )
-    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-
-
-def build_optimizer(
-    model: DistributedDataParallel,
-    *,
-    lr: float,
-    weight_decay: float = 0.0,
-    clip_grad: float = 1.0,
-    adam_betas: tuple[float, float] = (0.9, 0.999),
-    adam_eps: float = 1e-8,
-) -> MegatronOptimizer:
-    """Megatron-Core's Adam; the distributed optimizer when `model` was wrapped for it."""
-    config = OptimizerConfig(
-        optimizer="adam",
-        lr=lr,
-        weight_decay=weight_decay,
-        clip_grad=clip_grad,
-        adam_beta1=adam_betas[0],
-        adam_beta2=adam_betas[1],
-        adam_eps=adam_eps,
-        bf16=model.config.bf16,
-        params_dtype=model.config.params_dtype,
-        use_distributed_optimizer=model.ddp_config.use_distributed_optimizer,
-    )
-    return get_megatron_optimizer(config, [model])

@@ -1,4 +1,5 @@
-"""The shape of a Mixture-of-Experts decoder, rich enough for Qwen3-MoE and Mixtral."""
+"""The recipe's `model` section, and the shape of a Mixture-of-Experts decoder (rich enough for
+Qwen3-MoE and Mixtral) that a Hugging Face config becomes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,20 @@ from typing import Literal
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+Dispatcher = Literal["alltoall", "allgather"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The policy: a Hugging Face MoE checkpoint, loaded into Megatron-Core."""
+
+    hf_path: str = "examples/moe/tiny_qwen3_moe"
+    """Directory of the Hugging Face checkpoint (config.json, safetensors, tokenizer files)."""
+    dispatcher: Dispatcher = "alltoall"
+    """Megatron-Core's MoE token dispatcher."""
+    recompute: bool = False
+    """Recompute activations in the backward pass (less memory, more time)."""
 
 
 @dataclass(frozen=True, kw_only=True)

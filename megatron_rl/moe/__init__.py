@@ -1,1 +1,2 @@
-"""Mixture-of-Experts specifics: routing replay (R2, R3) and routing-drift metrics."""
+"""Mixture-of-Experts specifics: the routing-replay choice, routing replay (R2, R3) and
+routing-drift metrics."""

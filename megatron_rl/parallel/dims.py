@@ -8,33 +8,56 @@ order "tp-cp-ep-dp-pp").
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from megatron_rl.config import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelDims:
-    """How a model is split over `world_size` ranks.
+class ParallelConfig:
+    """How the model is split; dp is derived from the world size (megatron_rl.parallel.dims)."""
 
-    Attributes:
+    tp: int = 1
+    """Tensor parallel size."""
+    pp: int = 1
+    """Pipeline parallel size."""
+    ep: int = 1
+    """Expert parallel size."""
+    cp: int = 1
+    """Context parallel size."""
+    etp: int | None = None
+    """Expert tensor parallel size (each expert's weights split over etp ranks); None takes tp.
+    With tp > 1, etp=1 keeps each expert whole and spreads the experts by ep instead."""
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "ep", "cp", "etp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"parallel.{name}: expected a positive int, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims(ParallelConfig):
+    """The layout of `ParallelConfig` over `world_size` ranks, with what it implies.
+
+    Attributes (besides the split sizes of `ParallelConfig`; tp: attention, dense layers and
+    vocabulary; pp: stages of consecutive layers; cp: the sequence; ep: the experts; etp: each
+    expert's weights, None meaning tp):
         world_size: number of ranks (processes), one per device.
-        tp: tensor parallel size (attention and dense layers, vocabulary).
-        pp: pipeline parallel size (stages of consecutive layers).
-        cp: context parallel size (sequence split across ranks).
-        ep: expert parallel size (experts split across ranks).
-        etp: expert tensor parallel size (each expert's weights split); None means tp.
         dp: data parallel size of the dense part; None derives it from the others.
         sequence_parallel: shard activations between TP regions along the sequence; None
             means "on whenever tp > 1", which megatron-core requires for MoE with TP.
     """
 
     world_size: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int | None = None
     dp: int | None = None
     sequence_parallel: bool | None = None
+
+    @classmethod
+    def of(cls, config: ParallelConfig, world_size: int) -> ParallelDims:
+        """The recipe's layout `config` over `world_size` ranks."""
+        return cls(world_size=world_size, **dataclasses.asdict(config))
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "cp", "ep", "etp", "dp"):

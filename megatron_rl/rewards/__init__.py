@@ -4,10 +4,13 @@ A verifier maps `(prompt, response, reference)` to a float reward and is registe
 (`math`, `arithmetic`); `score_responses` scores a batch so that a verifier that raises or hangs
 costs one sample a zero reward, never the training step. Problems come from the built-in
 multi-step arithmetic task (`ArithmeticTask`) or from users' JSON Lines files
-(`load_jsonl_problems`). The package imports only the standard library.
+(`load_jsonl_problems`); the recipe's `data` section (`DataConfig`) says which, and
+`problem_source` builds them. The package imports only the standard library and the recipe
+loader (`megatron_rl.config`).
 """
 
 from megatron_rl.rewards.arithmetic import ArithmeticTask, Problem, solve
+from megatron_rl.rewards.config import DataConfig, problem_source
 from megatron_rl.rewards.datasets import DatasetError, load_jsonl_problems
 from megatron_rl.rewards.source import ProblemSource
 from megatron_rl.rewards.verifiers import (
@@ -23,6 +26,7 @@ from megatron_rl.rewards.verifiers import (
 
 __all__ = [
     "ArithmeticTask",
+    "DataConfig",
     "DatasetError",
     "Problem",
     "ProblemSource",
@@ -32,6 +36,7 @@ __all__ = [
     "get_verifier",
     "load_jsonl_problems",
     "normalize_answer",
+    "problem_source",
     "register_verifier",
     "score_responses",
     "solve",

@@ -2,43 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from megatron_rl.checkpoint.hf_files import HFCheckpoint
-from megatron_rl.config import RolloutConfig, SGLangConfig
+from megatron_rl.files.hf_checkpoint import HFCheckpoint
+from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.local import LocalEngine
-from megatron_rl.rollout.sglang import (
-    LaunchSettings,
-    RetryPolicy,
-    ServerGroup,
-    SGLangEngine,
-    make_weight_sync,
-)
-
-
-def launch_settings(
-    config: SGLangConfig, hf_path: str, *, routed_experts: bool = False
-) -> LaunchSettings:
-    """How to start the servers of `config` (rollout.sglang) on the model at `hf_path`."""
-    return LaunchSettings(
-        model_path=hf_path,
-        num_servers=config.num_servers,
-        host=config.host,
-        base_port=config.base_port,
-        tp_size=config.tp_size,
-        ep_size=config.ep_size,
-        mem_fraction_static=config.mem_fraction_static,
-        dtype=config.dtype,
-        routed_experts=routed_experts,
-        python=config.python or sys.executable,
-        extra_args=tuple(config.extra_args),
-        env=dict(config.env),
-        startup_timeout_s=config.startup_timeout_s,
-        request_deadline_s=config.request_deadline_s,
-    )
+from megatron_rl.rollout.sglang import RetryPolicy, ServerGroup, SGLangEngine, make_weight_sync
 
 
 def open_engine(
@@ -62,8 +33,8 @@ def open_engine(
     config = rollout.sglang
     urls, managed = list(config.urls), None
     if not urls:
-        settings = launch_settings(config, hf_path, routed_experts=routed_experts)
-        managed = stack.enter_context(ServerGroup(settings, run_dir / "sglang"))
+        servers = ServerGroup(config, hf_path, run_dir / "sglang", routed_experts=routed_experts)
+        managed = stack.enter_context(servers)
         urls = managed.urls
     weight_sync = make_weight_sync(
         config.weight_sync,
@@ -72,7 +43,7 @@ def open_engine(
         hf_dir=hf_path,
         master_address=config.master_address,
     )
-    checkpoint = HFCheckpoint(hf_path)
+    checkpoint = HFCheckpoint(hf_path, given_as="model.hf_path")
     architectures = checkpoint.config.get("architectures") or [None]
     engine = SGLangEngine(
         urls,

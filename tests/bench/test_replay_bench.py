@@ -19,10 +19,13 @@ def test_bench_replay_runs_and_reports(tmp_path):
     assert row["routing_bytes"] == 2 * (2 * 2 * 256) * 2 * 8
     json_path, md_path = replay_bench.write_report(report, tmp_path)
     assert json_path.is_file() and "| 2 |" in md_path.read_text()
-    # Counted allocation by allocation: replay holds at most the recorded indices (the last
-    # micro-batch's indices are held by the model in both modes), and nothing more.
+    # Counted allocation by allocation: from the old pass to the update replay holds at most the
+    # recorded indices; the step's peak grows by at most them and, while a micro-batch is
+    # replayed, one micro-batch's indices more (the replayed pass's transient: 16 KiB here, as
+    # in the trainer before the benchmark's old pass became the trainer's own, which revealed it).
     assert 0 < row["kept_overhead_bytes"] <= row["routing_bytes"]
-    assert 0 <= row["allocated_overhead_bytes"] <= row["routing_bytes"]
+    one_micro_batch = row["routing_bytes"] // spec.micro_batches
+    assert 0 <= row["allocated_overhead_bytes"] <= row["routing_bytes"] + one_micro_batch
 
 
 def test_median_interval_brackets_the_median_and_narrows_with_more_values():

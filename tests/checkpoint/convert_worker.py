@@ -12,17 +12,12 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.checkpoint.convert import (
-    METADATA,
-    hf_to_mcore,
-    inspect_hf,
-    mcore_to_hf,
-    model_sharded_state_dict,
-    read_metadata,
-)
-from megatron_rl.checkpoint.hf_files import HFCheckpoint
+from megatron_rl.checkpoint.convert import hf_to_mcore, mcore_to_hf
+from megatron_rl.checkpoint.format import METADATA, model_sharded_state_dict, read_metadata
+from megatron_rl.files.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.families import family_for
+from megatron_rl.models.hf_source import inspect_hf
 from megatron_rl.models.hf_weights import load_hf_weights, stream_hf_weights
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed

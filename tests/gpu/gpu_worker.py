@@ -6,15 +6,12 @@ from dataclasses import replace
 
 import torch
 
-from megatron_rl.models.build import (
-    build_gpt_moe,
-    build_optimizer,
-    transformer_engine_available,
-    wrap_for_training,
-)
+from megatron_rl.models.build import build_gpt_moe, transformer_engine_available
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, backend, init_distributed
-from megatron_rl.parallel.schedule import PolicyLossSpec, PolicyMicroBatch, policy_forward_backward
+from megatron_rl.trainer.micro_batch import PolicyMicroBatch
+from megatron_rl.trainer.optimizer import OptimConfig, build_optimizer, wrap_for_training
+from megatron_rl.trainer.schedule import PolicyLossSpec, policy_forward_backward
 from tests.parallel.invariance import TINY_MOE
 
 
@@ -38,7 +35,7 @@ def bf16_step(launch: LaunchEnv) -> dict:
     model = wrap_for_training(
         build_gpt_moe(replace(TINY_MOE, dtype="bfloat16"), dims), distributed_optimizer=True
     )
-    optimizer = build_optimizer(model, lr=1e-3)
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
     before = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     step = policy_forward_backward(model, [_batch()], PolicyLossSpec("gspo", 3e-4, 4e-4))
     updated, grad_norm, _ = optimizer.step()

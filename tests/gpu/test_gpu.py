@@ -12,9 +12,9 @@ import torch
 from megatron_rl.parallel.logprobs import vocab_parallel_logprobs
 from tests.gpu import gpu_worker
 from tests.parallel.harness import run_on_ranks
-from tests.train import policy_worker
-from tests.train.policy_worker import bfloat16_copy
-from tests.train.run_cli import TINY_MODEL
+from tests.trainer import policy_worker
+from tests.trainer.policy_worker import bfloat16_copy
+from tests.trainer.run_cli import TINY_MODEL
 
 pytestmark = [
     pytest.mark.gpu,

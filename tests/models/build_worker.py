@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.models.build import build_gpt_moe, build_optimizer, wrap_for_training
+from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
-from megatron_rl.parallel.schedule import PolicyLossSpec, PolicyMicroBatch, policy_forward_backward
+from megatron_rl.trainer.micro_batch import PolicyMicroBatch
+from megatron_rl.trainer.optimizer import OptimConfig, build_optimizer, wrap_for_training
+from megatron_rl.trainer.schedule import PolicyLossSpec, policy_forward_backward
 
 
 def build_and_step(launch: LaunchEnv, config: MoEModelConfig) -> dict:
@@ -20,7 +22,7 @@ def build_and_step(launch: LaunchEnv, config: MoEModelConfig) -> dict:
     logits = model(tokens, torch.arange(12).expand(2, 12), attention_mask=None)
 
     ddp = wrap_for_training(model, distributed_optimizer=True)  # one rank: its shard is all
-    optimizer = build_optimizer(ddp, lr=1e-2)
+    optimizer = build_optimizer(ddp, OptimConfig(lr=1e-2))
     mask = torch.zeros(2, 12, dtype=torch.bool)
     mask[:, 4:11] = True
     batch = PolicyMicroBatch(tokens, mask, torch.full((2, 12), -5.0), torch.tensor([1.0, -1.0]))

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from megatron_rl.models.build import build_gpt_moe, wrap_for_training
+from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.moe.drift import routing_drift
 from megatron_rl.moe.replay import RoutingReplay
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
-from megatron_rl.parallel.schedule import PolicyLossSpec, policy_forward_backward
+from megatron_rl.trainer.micro_batch import PolicyMicroBatch
+from megatron_rl.trainer.optimizer import wrap_for_training
+from megatron_rl.trainer.schedule import PolicyLossSpec, old_policy_pass, policy_forward_backward
 from tests.parallel.invariance import TINY_MOE, micro_batches
 
 GRPO = PolicyLossSpec("grpo", 0.2, 0.27)
+
+
+def _record(
+    ddp: torch.nn.Module, replay: RoutingReplay, batches: list[PolicyMicroBatch]
+) -> list[PolicyMicroBatch]:
+    """R2's old-policy pass: the micro-batches with the routing it recorded."""
+    computed = old_policy_pass(ddp, batches, replay=replay, record_routing=True)
+    return [replace(b, routing=old.routing) for b, old in zip(batches, computed, strict=True)]
 
 
 def _stack(routing: list[torch.Tensor]) -> torch.Tensor:
@@ -73,11 +85,7 @@ def r2_matches_forced_routing(launch: LaunchEnv) -> dict:
     model = build_gpt_moe(TINY_MOE, dims, routing_replay=True)
     ddp = wrap_for_training(model, distributed_optimizer=False)
     replay = RoutingReplay(model)
-    (batch,) = micro_batches(count=1)
-
-    policy_forward_backward(
-        ddp, [batch], GRPO, forward_only=True, replay=replay, record_routing=True
-    )
+    (batch,) = _record(ddp, replay, micro_batches(count=1))
     old_routing = batch.routing
     _perturb_routers(model)
 
@@ -93,7 +101,7 @@ def r2_matches_forced_routing(launch: LaunchEnv) -> dict:
     reference_model.load_state_dict(perturbed, strict=False)
     _force_routing(reference_model, old_routing)
     reference = wrap_for_training(reference_model, distributed_optimizer=False)
-    batch.routing = None
+    batch = replace(batch, routing=None)
     forced = policy_forward_backward(reference, [batch], GRPO)
     errors = [
         float((p.main_grad - grads[n]).abs().max() / grads[n].abs().max().clamp(min=1e-30))
@@ -126,10 +134,7 @@ def recompute_gives_same_gradients(launch: LaunchEnv) -> dict:
         model = build_gpt_moe(TINY_MOE, dims, routing_replay=True, recompute=recompute)
         ddp = wrap_for_training(model, distributed_optimizer=False)
         replay = RoutingReplay(model)
-        batches = micro_batches(count=3)
-        policy_forward_backward(
-            ddp, batches, GRPO, forward_only=True, replay=replay, record_routing=True
-        )
+        batches = _record(ddp, replay, micro_batches(count=3))
         _perturb_routers(model)
         policy_forward_backward(ddp, batches, GRPO, replay=replay)
         grads[recompute] = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}
@@ -147,10 +152,7 @@ def replay_at_layout(launch: LaunchEnv, layout: dict) -> dict:
     model = build_gpt_moe(TINY_MOE, dims, routing_replay=True)
     ddp = wrap_for_training(model, distributed_optimizer=False)
     replay = RoutingReplay(model)
-    batches = micro_batches(count=2)
-    policy_forward_backward(
-        ddp, batches, GRPO, forward_only=True, replay=replay, record_routing=True
-    )
+    batches = _record(ddp, replay, micro_batches(count=2))
     recorded = batches[-1].routing
     _perturb_routers(model)
     stop_free, stop_used = replay.observe_free_routing(), _used_routing(model)
@@ -174,10 +176,7 @@ def r3_round_trip(launch: LaunchEnv) -> dict:
     model = build_gpt_moe(TINY_MOE, dims, routing_replay=True)
     ddp = wrap_for_training(model, distributed_optimizer=False)
     replay = RoutingReplay(model)
-    (batch,) = micro_batches(count=1)
-    policy_forward_backward(
-        ddp, [batch], GRPO, forward_only=True, replay=replay, record_routing=True
-    )
+    (batch,) = _record(ddp, replay, micro_batches(count=1))
     rows, seq = batch.tokens.shape
     # router order [seq * rows, topk] per layer -> [rows, seq, layers, topk] -> SGLang per sample
     stacked = torch.stack(batch.routing, dim=1).view(seq, rows, replay.num_layers, -1)
@@ -191,7 +190,7 @@ def r3_round_trip(launch: LaunchEnv) -> dict:
         num_layers=replay.num_layers,
         topk=replay.topk,
     )
-    batch.routing = router_order(routing)
+    batch = replace(batch, routing=router_order(routing))
     _perturb_routers(model)
     stop_used = _used_routing(model)
     policy_forward_backward(ddp, [batch], GRPO, replay=replay)

@@ -20,15 +20,13 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megatron_rl.algo import subsentence_segment_ids
-from megatron_rl.models.build import build_gpt_moe, build_optimizer, wrap_for_training
+from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, set_model_parallel
-from megatron_rl.parallel.schedule import (
-    PolicyLossSpec,
-    PolicyMicroBatch,
-    policy_forward_backward,
-)
+from megatron_rl.trainer.micro_batch import PolicyMicroBatch
+from megatron_rl.trainer.optimizer import OptimConfig, build_optimizer, wrap_for_training
+from megatron_rl.trainer.schedule import PolicyLossSpec, policy_forward_backward
 
 NEWLINE = 1
 TINY_MOE = MoEModelConfig(
@@ -108,7 +106,7 @@ def _run(
 
 def _grad_norm(model) -> float:
     """The gradient norm megatron-core's optimizer clips by, over all ranks' shards."""
-    optimizer = build_optimizer(model, lr=0.0)
+    optimizer = build_optimizer(model, OptimConfig(lr=0.0))
     optimizer.prepare_grads()
     return float(optimizer.get_grad_norm())
 

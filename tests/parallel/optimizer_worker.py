@@ -8,10 +8,11 @@ from dataclasses import replace
 import torch
 from megatron.core.optimizer import MegatronOptimizer
 
-from megatron_rl.models.build import build_gpt_moe, build_optimizer, wrap_for_training
+from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, set_model_parallel
-from megatron_rl.parallel.schedule import PolicyLossSpec, policy_forward_backward
+from megatron_rl.trainer.optimizer import OptimConfig, build_optimizer, wrap_for_training
+from megatron_rl.trainer.schedule import PolicyLossSpec, policy_forward_backward
 from tests.parallel.invariance import TINY_MOE, micro_batches
 
 STEPS = 3
@@ -34,7 +35,7 @@ def _train(dims: ParallelDims, dtype: str, distributed: bool, batches: list) -> 
     model = build_gpt_moe(replace(TINY_MOE, dtype=dtype), dims)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     model = wrap_for_training(model, distributed_optimizer=distributed)
-    optimizer = build_optimizer(model, lr=1e-4)
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-4))
     losses, grad_norms = [], []
     for _ in range(STEPS):
         model.zero_grad_buffer()

@@ -8,7 +8,8 @@ from megatron.core import parallel_state
 from megatron_rl.algo import subsentence_segment_ids
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
-from megatron_rl.parallel.schedule import PolicyLossSpec, PolicyMicroBatch, policy_loss_func
+from megatron_rl.trainer.micro_batch import PolicyMicroBatch
+from megatron_rl.trainer.schedule import PolicyLossSpec, policy_loss_func
 
 VOCAB, NEWLINE = 32, 1
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.checkpoint.hf_files import HFCheckpoint
-from megatron_rl.config import Recipe, load_config
-from megatron_rl.rollout.backends import launch_settings
+from megatron_rl.config import load_config
+from megatron_rl.files.hf_checkpoint import HFCheckpoint
 from megatron_rl.rollout.sglang import ServerGroup
+from megatron_rl.trainer.recipe import Recipe
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = str(REPO / "examples" / "moe" / "tiny_qwen3_moe")
@@ -30,15 +30,15 @@ TEST_PORT = 30700
 ROUTING_SHAPE = (4, 2)  # the tiny model: 4 MoE layers, top-2
 
 
-def cpu_launch_settings(port: int, *, routed_experts: bool = True):
-    """The example recipe's CPU server settings, on `port`, with absolute paths (the tests may
-    run from any directory)."""
+def cpu_servers(port: int, log_dir: Path, *, routed_experts: bool = True) -> ServerGroup:
+    """Servers of the example recipe's CPU settings, on `port`, with absolute paths (the tests
+    may run from any directory)."""
     config = load_config(Recipe, CPU_RECIPE).rollout.sglang
     env = dict(config.env) | {"PYTHONPATH": str(REPO / "tests" / "sglang" / "cpu_shims")}
     config = dataclasses.replace(
         config, python=str(SGLANG_PYTHON), env=env, base_port=port, startup_timeout_s=240.0
     )
-    return launch_settings(config, TINY_MODEL, routed_experts=routed_experts)
+    return ServerGroup(config, TINY_MODEL, log_dir, routed_experts=routed_experts)
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +48,7 @@ def sglang_servers(tmp_path_factory):
             f"{SGLANG_PYTHON} is missing: the SGLang tier needs "
             "`bash scripts/install_sglang_cpu.sh` (scripts/test.sh runs it)"
         )
-    group = ServerGroup(cpu_launch_settings(TEST_PORT), tmp_path_factory.mktemp("sglang_logs"))
+    group = cpu_servers(TEST_PORT, tmp_path_factory.mktemp("sglang_logs"))
     with group:
         yield group
 

@@ -10,29 +10,32 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.rollout.sglang import LaunchSettings, ServerGroup, SGLangError
+from megatron_rl.rollout.sglang import ServerGroup, SGLangConfig, SGLangError
 from tests.sglang.conftest import group_gone, live_group_members
 from tests.sglang.test_http_errors import ScriptedServer, _closed_port
 
 FAKE = Path(__file__).resolve().parent / "fake_launcher"
 
 
-def _settings(mode: str, port: int, **changes) -> LaunchSettings:
+def _servers(
+    mode: str, port: int, log_dir, *, routed_experts: bool = False, **changes
+) -> ServerGroup:
+    """Servers of the stand-in launcher in `mode`, the first on `port`."""
     defaults = {
-        "model_path": "unused",
         "python": sys.executable,
         "base_port": port,
         "env": {"PYTHONPATH": str(FAKE), "FAKE_SGLANG_MODE": mode},
         "startup_timeout_s": 20.0,
     }
-    return LaunchSettings(**(defaults | changes))
+    config = SGLangConfig(**(defaults | changes))
+    return ServerGroup(config, "unused", log_dir, routed_experts=routed_experts)
 
 
 def test_servers_start_log_and_stop_with_their_children(tmp_path, monkeypatch):
     for name, value in (("RANK", "1"), ("MASTER_PORT", "29500"), ("TORCHELASTIC_RUN_ID", "x")):
         monkeypatch.setenv(name, value)  # as under torchrun
     port = _closed_port()
-    group = ServerGroup(_settings("ok", port, num_servers=2, routed_experts=True), tmp_path)
+    group = _servers("ok", port, tmp_path, num_servers=2, routed_experts=True)
     with group:
         assert group.urls == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
         assert all(server.connection.ping() for server in group.servers)
@@ -52,11 +55,11 @@ def test_servers_start_log_and_stop_with_their_children(tmp_path, monkeypatch):
 
 def test_a_server_that_exits_during_start_up_is_reported_with_its_log(tmp_path):
     with pytest.raises(SGLangError, match=r"(?s)exited during start-up \(exit code 3\).*boom"):
-        ServerGroup(_settings("exit", _closed_port()), tmp_path).start()
+        _servers("exit", _closed_port(), tmp_path).start()
 
 
 def test_a_server_that_never_gets_ready_is_stopped_after_the_deadline(tmp_path):
-    group = ServerGroup(_settings("hang", _closed_port(), startup_timeout_s=3.0), tmp_path)
+    group = _servers("hang", _closed_port(), tmp_path, startup_timeout_s=3.0)
     with pytest.raises(SGLangError, match=r"did not answer /health within 3 s"):
         group.start()
     launcher = int(re.search(r"=== pid (\d+)", group.servers[0].log_tail()).group(1))
@@ -68,6 +71,6 @@ def test_a_port_that_is_taken_is_not_used():
     try:
         port = int(taken.url.rsplit(":", 1)[1])
         with pytest.raises(SGLangError, match="something already answers on this port"):
-            ServerGroup(_settings("ok", port), "/tmp").start()
+            _servers("ok", port, "/tmp").start()
     finally:
         taken.close()

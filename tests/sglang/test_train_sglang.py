@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.sglang.conftest import CPU_RECIPE, REPO, group_gone
-from tests.train.run_cli import finished_run_metrics, train_cli, train_command, train_environment
+from tests.trainer.run_cli import finished_run_metrics, train_cli, train_command, train_environment
 
 
 def _check(result, run_dir) -> dict[int, dict[str, float]]:

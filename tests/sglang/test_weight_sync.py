@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.checkpoint.hf_files import HFCheckpoint
+from megatron_rl.files.hf_checkpoint import HFCheckpoint
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.rollout.sglang import SYNC_METHODS, SGLangEngine, SGLangError, make_weight_sync
 from tests.sglang.conftest import TINY_MODEL, tiny_tensor_shapes

@@ -15,9 +15,9 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_rl.rollout.sglang.config import SGLangConfig
 from megatron_rl.rollout.sglang.http import RetryPolicy, ServerConnection, SGLangError
 
 # What torchrun (torch.distributed.run) tells its workers. A server started by a worker must not
@@ -44,65 +44,58 @@ LAUNCHER_VARIABLES = frozenset(
 ORIGINAL_LOGPROBS_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 
-@dataclass(frozen=True, kw_only=True)
-class LaunchSettings:
-    """How to start each server (megatron_rl.config: rollout.sglang)."""
-
-    model_path: str
-    num_servers: int = 1
-    host: str = "127.0.0.1"
-    base_port: int = 30000
-    tp_size: int = 1
-    ep_size: int = 1
-    mem_fraction_static: float = 0.8
-    dtype: str = "auto"
-    routed_experts: bool = False
-    python: str = sys.executable
-    extra_args: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
-    startup_timeout_s: float = 300.0
-    request_deadline_s: float = 120.0
-
-    def argv(self, index: int, model_path: str | None = None) -> list[str]:
-        """The command line of server `index`."""
-        args = [
-            self.python,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            model_path or self.model_path,
-            "--host",
-            self.host,
-            "--port",
-            str(self.base_port + index),
-            "--tp-size",
-            str(self.tp_size),
-            "--ep-size",
-            str(self.ep_size),
-            "--mem-fraction-static",
-            str(self.mem_fraction_static),
-            "--dtype",
-            self.dtype,
-            # The trainer sends token ids and reads token ids; no text on either side.
-            "--skip-tokenizer-init",
-            # Servers are idle while the trainer trains; without this the scheduler's event
-            # loop spins and takes a core from it.
-            "--sleep-on-idle",
-        ]
-        if self.routed_experts:
-            args.append("--enable-return-routed-experts")
-        return args + list(self.extra_args)
+def server_argv(
+    config: SGLangConfig, model_path: str, index: int, *, routed_experts: bool = False
+) -> list[str]:
+    """The command line of server `index` of `config`, serving the checkpoint at `model_path`;
+    `routed_experts` has it return each token's experts (R3)."""
+    args = [
+        config.python or sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        config.host,
+        "--port",
+        str(config.base_port + index),
+        "--tp-size",
+        str(config.tp_size),
+        "--ep-size",
+        str(config.ep_size),
+        "--mem-fraction-static",
+        str(config.mem_fraction_static),
+        "--dtype",
+        config.dtype,
+        # The trainer sends token ids and reads token ids; no text on either side.
+        "--skip-tokenizer-init",
+        # Servers are idle while the trainer trains; without this the scheduler's event
+        # loop spins and takes a core from it.
+        "--sleep-on-idle",
+    ]
+    if routed_experts:
+        args.append("--enable-return-routed-experts")
+    return args + list(config.extra_args)
 
 
 class ManagedServer:
     """One server process; see the module docstring."""
 
-    def __init__(self, settings: LaunchSettings, index: int, log_dir: Path) -> None:
-        self.settings, self.index = settings, index
-        self.url = f"http://{settings.host}:{settings.base_port + index}"
+    def __init__(
+        self,
+        config: SGLangConfig,
+        model_path: str,
+        index: int,
+        log_dir: Path,
+        *,
+        routed_experts: bool = False,
+    ) -> None:
+        self.config, self.model_path, self.index = config, model_path, index
+        self.routed_experts = routed_experts
+        self.url = f"http://{config.host}:{config.base_port + index}"
         self.log_path = Path(log_dir) / f"sglang_{index}.log"
         self.connection = ServerConnection(
-            self.url, RetryPolicy(deadline_s=settings.request_deadline_s), alive=self.alive
+            self.url, RetryPolicy(deadline_s=config.request_deadline_s), alive=self.alive
         )
         self.process: subprocess.Popen | None = None
         self.starts = 0
@@ -125,13 +118,19 @@ class ManagedServer:
             for name, value in os.environ.items()
             if name not in LAUNCHER_VARIABLES and not name.startswith("TORCHELASTIC_")
         }
-        env = inherited | self.settings.env | ORIGINAL_LOGPROBS_ENV
+        env = inherited | self.config.env | ORIGINAL_LOGPROBS_ENV
+        argv = server_argv(
+            self.config,
+            model_path or self.model_path,
+            self.index,
+            routed_experts=self.routed_experts,
+        )
         with open(self.log_path, "ab") as log:
-            command = " ".join(self.settings.argv(self.index, model_path))
+            command = " ".join(argv)
             log.write(f"\n=== start {self.starts + 1}: {command}\n".encode())
             log.flush()
             self.process = subprocess.Popen(
-                self.settings.argv(self.index, model_path),
+                argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -144,7 +143,7 @@ class ManagedServer:
     def wait_ready(self) -> None:
         """Until `/health` answers; an error (with the log's tail) when the process exits or
         the start-up deadline passes."""
-        deadline = time.monotonic() + self.settings.startup_timeout_s
+        deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
                 code = None if self.process is None else self.process.returncode
@@ -158,7 +157,7 @@ class ManagedServer:
         self.stop()
         raise SGLangError(
             f"SGLang server {self.url} did not answer /health within "
-            f"{self.settings.startup_timeout_s:g} s (rollout.sglang.startup_timeout_s); its log "
+            f"{self.config.startup_timeout_s:g} s (rollout.sglang.startup_timeout_s); its log "
             f"{self.log_path} ends with:\n{self.log_tail()}"
         )
 
@@ -192,11 +191,19 @@ class ManagedServer:
 class ServerGroup:
     """The trainer's SGLang servers: started together, stopped together (a context manager)."""
 
-    def __init__(self, settings: LaunchSettings, log_dir: str | Path) -> None:
-        if settings.num_servers < 1:
-            raise ValueError(f"num_servers: expected >= 1, got {settings.num_servers}")
+    def __init__(
+        self,
+        config: SGLangConfig,
+        model_path: str,
+        log_dir: str | Path,
+        *,
+        routed_experts: bool = False,
+    ) -> None:
+        if config.num_servers < 1:
+            raise ValueError(f"num_servers: expected >= 1, got {config.num_servers}")
         self.servers = [
-            ManagedServer(settings, index, Path(log_dir)) for index in range(settings.num_servers)
+            ManagedServer(config, model_path, index, Path(log_dir), routed_experts=routed_experts)
+            for index in range(config.num_servers)
         ]
 
     @property

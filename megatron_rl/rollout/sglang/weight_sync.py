@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,11 +37,10 @@ import torch.multiprocessing  # registers tensor reductions with ForkingPickler
 from safetensors.torch import save_file
 from torch import Tensor
 
+from megatron_rl.files.atomic import staged_directory
 from megatron_rl.rollout.engine import WeightBucket
+from megatron_rl.rollout.sglang.config import SYNC_METHODS, SyncMethod
 from megatron_rl.rollout.sglang.http import ServerConnection, SGLangError
-
-SyncMethod = Literal["disk", "tensor", "distributed"]
-SYNC_METHODS: tuple[SyncMethod, ...] = ("disk", "tensor", "distributed")
 
 
 def _checked(answer: Any, where: str) -> Any:
@@ -103,24 +102,21 @@ class DiskSync:
         self, servers: Sequence[ServerConnection], buckets: Iterable[WeightBucket], version: str
     ) -> None:
         target = self.directory / f"weights_v{version}"
-        staging = self.directory / f".weights_v{version}.partial"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        total, index = 0, {}
-        for number, bucket in enumerate(buckets):
-            shard = f"model-{number:05d}.safetensors"
-            tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in bucket}
-            save_file(tensors, str(staging / shard))
-            index |= dict.fromkeys(tensors, shard)
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-        (staging / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1)
-        )
-        for name in ("config.json", "generation_config.json"):
-            if (self.hf_dir / name).is_file():
-                shutil.copy2(self.hf_dir / name, staging / name)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with staged_directory(target, overwrite=True) as staging:
+            total, index = 0, {}
+            for number, bucket in enumerate(buckets):
+                shard = f"model-{number:05d}.safetensors"
+                tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in bucket}
+                save_file(tensors, str(staging / shard))
+                index |= dict.fromkeys(tensors, shard)
+                total += sum(t.numel() * t.element_size() for t in tensors.values())
+            (staging / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1)
+            )
+            for name in ("config.json", "generation_config.json"):
+                if (self.hf_dir / name).is_file():
+                    shutil.copy2(self.hf_dir / name, staging / name)
 
         def load() -> None:
             body = {"model_path": str(target.resolve()), "weight_version": version}

@@ -9,12 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megatron_rl.checkpoint.hf_files import (
-    HFCheckpoint,
-    TensorSpec,
-    plan_shards,
-    write_safetensors_shards,
-)
+from megatron_rl.files.hf_checkpoint import HFCheckpoint
+from megatron_rl.files.safetensors_shards import TensorSpec, plan_shards, write_safetensors_shards
 
 
 def _tensors():

@@ -10,39 +10,34 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch import Tensor
 
-from megatron_rl.checkpoint.convert import inspect_hf
-from megatron_rl.models.build import Dispatcher, build_gpt_moe, build_optimizer, wrap_for_training
+from megatron_rl.models.build import build_gpt_moe
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.models.hf_source import inspect_hf
 from megatron_rl.models.hf_weights import HFWeightStream, load_hf_weights, stream_hf_weights
 from megatron_rl.moe.drift import routing_drift
 from megatron_rl.moe.replay import RoutingReplay
+from megatron_rl.moe.replay_mode import RoutingReplayMode
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import host_all_reduce
-from megatron_rl.parallel.schedule import (
-    PolicyLossSpec,
-    PolicyMicroBatch,
-    policy_forward_backward,
-    policy_logprobs,
-)
 from megatron_rl.parallel.stages import from_last_stage, join_stages
+from megatron_rl.trainer.micro_batch import PolicyMicroBatch
+from megatron_rl.trainer.optimizer import (
+    OptimConfig,
+    build_optimizer,
+    build_scheduler,
+    wrap_for_training,
+)
+from megatron_rl.trainer.schedule import (
+    OldPolicy,
+    PolicyLossSpec,
+    old_policy_pass,
+    policy_forward_backward,
+)
 
 # Per-micro-batch sums used for the loss itself; the update reports the loss instead.
 _NOT_AVERAGED = ("loss/sum", "entropy/sum", "loss/denominator")
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimizerSettings:
-    """Adam and its schedule (see megatron_rl.config.OptimConfig)."""
-
-    lr: float
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    distributed: bool = True  # Adam's state sharded over DP (when the layout has DP copies)
 
 
 @dataclass(frozen=True)
@@ -56,101 +51,73 @@ class UpdateResult:
     metrics: dict[str, float]
 
 
-RoutingMode = Literal["free", "record", "replay"]
-
-
 class Policy:
     """This rank's share of the policy (its pipeline stage, TP and EP shards).
 
     `routing_replay` builds the routers with megatron-core's RouterReplay, which recording,
-    replaying and the drift metrics need; without replay actions they route freely.
+    replaying and the drift metrics need; without it they always route freely.
     """
 
     def __init__(
         self,
-        hf_dir: str | Path,
+        model: ModelConfig,
         dims: ParallelDims,
-        optimizer: OptimizerSettings,
+        optim: OptimConfig,
         *,
-        dispatcher: Dispatcher = "alltoall",
-        recompute: bool = False,
         routing_replay: bool = True,
     ) -> None:
-        self.hf_dir = Path(hf_dir)
+        self.hf_dir = Path(model.hf_path)
         self.dims = dims
-        source = inspect_hf(self.hf_dir)
+        source = inspect_hf(self.hf_dir, given_as="model.hf_path")
         self.family, self.config = source.family, source.config
-        model = build_gpt_moe(
+        chunk = build_gpt_moe(
             self.config,
             dims,
-            dispatcher=dispatcher,
-            recompute=recompute,
+            dispatcher=model.dispatcher,
+            recompute=model.recompute,
             initialize=False,
             routing_replay=routing_replay,
         )
         load_hf_weights(
-            model, self.family, self.config, source.checkpoint.tensor, source.checkpoint.shape
+            chunk, self.family, self.config, source.checkpoint.tensor, source.checkpoint.shape
         )
         source.checkpoint.close()
-        self.replay = RoutingReplay(model) if routing_replay else None
+        self.replay = RoutingReplay(chunk) if routing_replay else None
         # With no data-parallel copies the distributed optimizer has nothing to shard and takes
         # the plain optimizer's steps, with parameter gathers on top.
-        distributed = optimizer.distributed and dims.replicates_weights
-        self.model = wrap_for_training(model, distributed_optimizer=distributed)
-        self.optimizer = build_optimizer(
-            self.model,
-            lr=optimizer.lr,
-            weight_decay=optimizer.weight_decay,
-            clip_grad=optimizer.clip_grad,
-            adam_betas=optimizer.adam_betas,
-            adam_eps=optimizer.adam_eps,
-        )
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0 if optimizer.warmup_steps else optimizer.lr,
-            max_lr=optimizer.lr,
-            min_lr=optimizer.lr,
-            lr_warmup_steps=optimizer.warmup_steps,
-            lr_decay_steps=optimizer.warmup_steps + 1,
-            lr_decay_style="constant",
-            start_wd=optimizer.weight_decay,
-            end_wd=optimizer.weight_decay,
-            wd_incr_steps=1,
-            wd_incr_style="constant",
-        )
+        distributed = optim.distributed_optimizer and dims.replicates_weights
+        self.model = wrap_for_training(chunk, distributed_optimizer=distributed)
+        self.optimizer = build_optimizer(self.model, optim)
+        self.scheduler = build_scheduler(self.optimizer, optim)
 
-    def old_logprobs(
-        self, micro_batches: list[PolicyMicroBatch], *, routing: RoutingMode = "free"
-    ) -> None:
-        """Fill each micro-batch's `old_logp` and `old_entropy` with a forward of the current
-        weights. `routing`: "free" lets the routers choose; "record" also stores their choice in
-        each micro-batch's `routing` (R2, and drift metrics); "replay" forces the `routing` the
-        micro-batches carry (R3: the engine's)."""
-        if routing not in ("free", "record", "replay"):
-            raise ValueError(f"routing: expected 'free', 'record' or 'replay', got {routing!r}")
-        if routing != "free" and self.replay is None:
-            raise ValueError(f"routing={routing!r}: build the Policy with routing_replay=True")
-        policy_logprobs(
-            self.model,
-            micro_batches,
-            replay=None if routing == "free" else self.replay,
-            record_routing=routing == "record",
+    def _replay_for(self, mode: RoutingReplayMode, what: str) -> RoutingReplay | None:
+        if self.replay is None and mode.replays:
+            raise ValueError(f"{what} with routing replay {mode}: build the Policy with it")
+        return self.replay
+
+    def old_policy(
+        self, micro_batches: list[PolicyMicroBatch], mode: RoutingReplayMode
+    ) -> list[OldPolicy]:
+        """The old policy's log-probs and entropy of each micro-batch (a forward of the current
+        weights), and the routing it chose wherever `mode` records it (R2, and for the drift
+        metrics); under R3 the micro-batches' own (the engine's) routing is forced instead."""
+        replay = self._replay_for(mode, "the old-policy pass")
+        return old_policy_pass(
+            self.model, micro_batches, replay=replay, record_routing=mode.records_old_routing
         )
 
     def update(
-        self, micro_batches: list[PolicyMicroBatch], spec: PolicyLossSpec, *, replay: bool
+        self, micro_batches: list[PolicyMicroBatch], spec: PolicyLossSpec, mode: RoutingReplayMode
     ) -> UpdateResult:
         """One optimizer step on the minibatch made of `micro_batches` (all DP ranks together),
-        replaying their `routing` when `replay`. When they carry routing (recorded or replayed)
-        the metrics include how far the routers' free choice has drifted from it.
+        replaying their `routing` when `mode` replays. When they carry routing (recorded or
+        replayed) the metrics include how far the routers' free choice has drifted from it.
 
         A non-finite loss or gradient norm skips the step (gradients are dropped) and says so.
         """
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        if replay and self.replay is None:
-            raise ValueError("replay: build the Policy with routing_replay=True")
-        replaying = self.replay if replay else None
+        replaying = self._replay_for(mode, "an update") if mode.replays else None
         watch = None
         if self.replay is not None and micro_batches[-1].routing is not None:
             watch = self.replay.observe_free_routing()
@@ -192,12 +159,15 @@ class Policy:
                     advantages=torch.zeros(1),
                 )
             )
-        self.old_logprobs(micro_batches)
+        # The routers choose freely: the probe compares weights, not a recorded routing.
+        computed = old_policy_pass(self.model, micro_batches)
         # Only the last pipeline stage has log-probs; every rank of it holds the same ones.
-        values = [
-            mb.old_logp[0, : len(seq) - 1].float().cpu()
-            for mb, seq in zip(micro_batches, sequences, strict=True)
-        ]
+        values = None
+        if parallel_state.is_pipeline_last_stage():
+            values = [
+                old.logp[0, : len(seq) - 1].float().cpu()
+                for old, seq in zip(computed, sequences, strict=True)
+            ]
         return from_last_stage(values)
 
     def weight_stream(self, *, bucket_bytes: int = 512 * 2**20) -> HFWeightStream:

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.checkpoint.train_state import check_resumable
 from megatron_rl.parallel.dims import ParallelDims
-from tests.train.run_cli import (
+from megatron_rl.trainer.checkpoints import check_resumable
+from tests.trainer.run_cli import (
     finished_run_metrics,
     read_metrics,
     train_cli,
@@ -195,7 +195,7 @@ def test_bad_recipes_fail_before_training(tmp_path):
 
 def test_non_finite_steps_are_skipped_then_the_run_aborts(tmp_path):
     result = train_cli(
-        tmp_path, ["run.steps=5", "run.max_bad_steps=3"], module="tests.train.nan_advantages"
+        tmp_path, ["run.steps=5", "run.max_bad_steps=3"], module="tests.trainer.nan_advantages"
     )
     assert result.returncode == 3
     assert "3 consecutive steps with a non-finite loss" in result.stderr

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.rollout.batch import (
+from megatron_rl.rollout.engine import Sample
+from megatron_rl.trainer.batches import (
     EngineRouting,
     build_rollout_batch,
     micro_batches,
     minibatch_rows,
 )
-from megatron_rl.rollout.engine import Sample
 
 NEWLINE = 9
 

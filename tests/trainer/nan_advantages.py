@@ -9,7 +9,7 @@ import torch
 
 from megatron_rl import cli
 from megatron_rl.algo import GroupAdvantages, group_advantages
-from megatron_rl.rollout import step
+from megatron_rl.trainer import rollout_step
 
 
 def _nan_advantages(rewards: torch.Tensor, group_size: int, **kwargs) -> GroupAdvantages:
@@ -19,5 +19,5 @@ def _nan_advantages(rewards: torch.Tensor, group_size: int, **kwargs) -> GroupAd
 
 
 if __name__ == "__main__":
-    step.group_advantages = _nan_advantages
+    rollout_step.group_advantages = _nan_advantages
     sys.exit(cli.main(sys.argv[1:]))

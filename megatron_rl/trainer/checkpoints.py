@@ -10,10 +10,11 @@
         hf/                 config.json and tokenizer: `megatron-rl convert mcore-to-hf` reads it
     CHECKPOINTS/latest      name of the newest complete checkpoint
 
-A checkpoint is written into `.step_000020.tmp` and renamed when every rank has finished, and
-`latest` is replaced atomically after that: a run killed while saving keeps its previous
-checkpoint. Only the newest `keep` checkpoints stay. A checkpoint resumes at the layout and with
-the optimizer it was saved with (`check_resumable`).
+A checkpoint is written into `.step_000020.partial` and renamed when every rank has finished
+(`megatron_rl.files.atomic.staged_directory`), and `latest` is replaced atomically after that:
+a run killed while saving keeps its previous checkpoint. Only the newest `keep` checkpoints
+stay. A checkpoint resumes at the layout and with the optimizer it was saved with
+(`check_resumable`).
 """
 
 from __future__ import annotations
@@ -30,20 +31,20 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megatron_rl.checkpoint.convert import (
+from megatron_rl.checkpoint.format import (
     FORMAT_VERSION,
     model_sharded_state_dict,
     read_metadata,
     write_metadata,
 )
-from megatron_rl.checkpoint.optimizer_state import (
+from megatron_rl.files.atomic import staged_directory, write_text_atomic
+from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.trainer.optimizer_state import (
     is_distributed,
     load_optimizer_state,
     optimizer_sharded_state_dict,
 )
-from megatron_rl.fileio import write_text_atomic
-from megatron_rl.models.policy import Policy
-from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.trainer.policy import Policy
 
 LATEST = "latest"
 
@@ -73,34 +74,33 @@ def save_checkpoint(
 ) -> Path:
     """Save the training state after `step` under `directory` (a collective); returns the path."""
     final = directory / f"step_{step:06d}"
-    staging = directory / f".step_{step:06d}.tmp"
     if dist.get_rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        (staging / "weights").mkdir(parents=True)
-    dist.barrier()
-    dist_checkpointing.save(
-        _sharded_state(policy, is_loading=False, format_version=FORMAT_VERSION),
-        str(staging / "weights"),
-    )
-    rng_path = staging / f"rng_rank{dist.get_rank()}.pt"
-    with open(rng_path, "wb") as handle:
-        torch.save(_rng_state(), handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    dist.barrier()
+        directory.mkdir(parents=True, exist_ok=True)
+    with staged_directory(final, overwrite=True, collective=True) as staging:
+        (staging / "weights").mkdir(exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(
+            _sharded_state(policy, is_loading=False, format_version=FORMAT_VERSION),
+            str(staging / "weights"),
+        )
+        rng_path = staging / f"rng_rank{dist.get_rank()}.pt"
+        with open(rng_path, "wb") as handle:
+            torch.save(_rng_state(), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        dist.barrier()
+        if dist.get_rank() == 0:
+            state = {
+                "step": step,
+                "world_size": dist.get_world_size(),
+                "layout": policy.dims.describe(),
+                "distributed_optimizer": is_distributed(policy.optimizer),
+                "scheduler": policy.scheduler.state_dict(),
+                "trainer": trainer_state,
+            }
+            write_metadata(staging, policy.family, policy.config, policy.hf_dir)
+            write_text_atomic(staging / "trainer.json", json.dumps(state, indent=2) + "\n")
     if dist.get_rank() == 0:
-        state = {
-            "step": step,
-            "world_size": dist.get_world_size(),
-            "layout": policy.dims.describe(),
-            "distributed_optimizer": is_distributed(policy.optimizer),
-            "scheduler": policy.scheduler.state_dict(),
-            "trainer": trainer_state,
-        }
-        write_metadata(staging, policy.family, policy.config, policy.hf_dir)
-        write_text_atomic(staging / "trainer.json", json.dumps(state, indent=2) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
         write_text_atomic(directory / LATEST, final.name + "\n")
         for old in sorted(directory.glob("step_*"))[:-keep]:
             shutil.rmtree(old)
@@ -152,7 +152,7 @@ def load_checkpoint(path: Path, policy: Policy) -> tuple[int, dict[str, Any]]:
     returns the step it was saved after and the loop's own state."""
     state = json.loads((path / "trainer.json").read_text())
     check_resumable(path, state, policy.dims, is_distributed(policy.optimizer))
-    format_version = read_metadata(path).format_version
+    format_version = read_metadata(path, given_as="checkpoint").format_version
     loaded = dist_checkpointing.load(
         _sharded_state(policy, is_loading=True, format_version=format_version),
         str(path / "weights"),

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from megatron_rl.metrics import (
+from megatron_rl.trainer.metrics import (
     ConsoleSink,
     JsonlSink,
     MetricsLogger,

@@ -3,7 +3,7 @@
 A rollout batch is prompt-major (the `group_size` samples of prompt g are rows
 g*group_size ...). Every sample becomes one right-padded row `[S]` of prompt + response tokens;
 position t is true in `loss_mask` where it predicts a response token (see
-`megatron_rl.parallel.schedule.PolicyMicroBatch`). The batch is split into minibatches (one
+`megatron_rl.trainer.micro_batch.PolicyMicroBatch`). The batch is split into minibatches (one
 optimizer step each), each minibatch over the data-parallel ranks, and each rank's share into
 micro-batches of equal shape: megatron-core's schedule wants one shape, and expert-parallel
 ranks must run the same number of forwards, so short shares are filled with empty rows (no
@@ -21,8 +21,8 @@ from torch import Tensor
 
 from megatron_rl.algo import subsentence_segment_ids
 from megatron_rl.moe.engine_routing import place_engine_routing, router_order
-from megatron_rl.parallel.schedule import PolicyMicroBatch
 from megatron_rl.rollout.engine import Sample
+from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 
 
 @dataclass(frozen=True)
@@ -133,28 +133,36 @@ def _micro_batch(
 ) -> PolicyMicroBatch:
     real = torch.tensor([max(row, 0) for row in chunk])
     empty = torch.tensor([row < 0 for row in chunk])
-    micro = PolicyMicroBatch(
-        tokens=batch.tokens[real],
+    tokens = batch.tokens[real]
+    return PolicyMicroBatch(
+        tokens=tokens,
         loss_mask=batch.loss_mask[real] & ~empty[:, None],
         old_logp=batch.engine_logp[real],
         advantages=torch.where(empty, 0.0, batch.advantages[real]),
         segment_ids=torch.where(empty[:, None], -1, batch.segment_ids[real]),
+        routing=None
+        if engine_routing is None
+        else _replay_targets(batch, chunk, tokens.shape, engine_routing),
     )
-    if engine_routing is not None:
-        placed = [(i, batch.samples[row]) for i, row in enumerate(chunk) if row >= 0]
-        routing, _ = place_engine_routing(
-            [sample.routed_experts for _, sample in placed],
-            rows=[i for i, _ in placed],
-            starts=[0] * len(placed),
-            lengths=[len(s.prompt_ids) + len(s.response_ids) for _, s in placed],
-            batch_shape=tuple(micro.tokens.shape),
-            num_layers=engine_routing.num_layers,
-            topk=engine_routing.topk,
-        )
-        micro.routing = router_order(
-            routing,
-            sp_rank=engine_routing.sp_rank,
-            sp_size=engine_routing.sp_size,
-            layers=engine_routing.layers,
-        )
-    return micro
+
+
+def _replay_targets(
+    batch: RolloutBatch, chunk: list[int], shape: torch.Size, engine_routing: EngineRouting
+) -> list[Tensor]:
+    """The engine's routing of the rows `chunk` (R3), per MoE layer of this rank's stage."""
+    placed = [(i, batch.samples[row]) for i, row in enumerate(chunk) if row >= 0]
+    routing, _ = place_engine_routing(
+        [sample.routed_experts for _, sample in placed],
+        rows=[i for i, _ in placed],
+        starts=[0] * len(placed),
+        lengths=[len(s.prompt_ids) + len(s.response_ids) for _, s in placed],
+        batch_shape=tuple(shape),
+        num_layers=engine_routing.num_layers,
+        topk=engine_routing.topk,
+    )
+    return router_order(
+        routing,
+        sp_rank=engine_routing.sp_rank,
+        sp_size=engine_routing.sp_size,
+        layers=engine_routing.layers,
+    )

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.parallel.harness import run_on_ranks
-from tests.train import policy_worker
-from tests.train.policy_worker import bfloat16_copy
+from tests.trainer import policy_worker
+from tests.trainer.policy_worker import bfloat16_copy
 
 TINY_MODEL = str(Path(__file__).resolve().parents[2] / "examples" / "moe" / "tiny_qwen3_moe")
 

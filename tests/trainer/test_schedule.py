@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from megatron_rl.parallel.schedule import PolicyMicroBatch
+from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 
 
 def test_a_micro_batch_moves_to_the_model_device_whole():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -11,17 +12,22 @@ from megatron.core import parallel_state
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.algo import group_advantages
-from megatron_rl.models.policy import OptimizerSettings, Policy
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.moe.replay_mode import RoutingReplayMode
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
-from megatron_rl.parallel.schedule import PolicyLossSpec
 from megatron_rl.parallel.stages import from_last_stage
 from megatron_rl.rewards import ArithmeticTask
-from megatron_rl.rollout.batch import build_rollout_batch, micro_batches
 from megatron_rl.rollout.codec import PromptCodec
+from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine
-from megatron_rl.rollout.sync import SyncSettings, WeightSyncMismatch, sync_weights
+from megatron_rl.trainer.batches import build_rollout_batch, micro_batches
+from megatron_rl.trainer.optimizer import OptimConfig
+from megatron_rl.trainer.policy import Policy
+from megatron_rl.trainer.rank0_engine import Rank0Engine
+from megatron_rl.trainer.schedule import PolicyLossSpec
+from megatron_rl.trainer.weight_sync import WeightSyncMismatch, sync_weights
 from tests.parallel.optimizer_worker import main_weights
 
 
@@ -41,11 +47,16 @@ def _sync(
     probe: list[int] | None = None,
     tolerance: float = 1e-4,
 ) -> dict[str, float]:
-    settings = SyncSettings(
-        bucket_bytes=2**20, probe_every=1 if probe else 0, probe_tolerance=tolerance
+    rollout = RolloutConfig(
+        sync_bucket_mb=1, probe_every=1 if probe else 0, probe_tolerance=tolerance
     )
     return sync_weights(
-        policy, engine, version=version, probe=probe or [], settings=settings, sync_count=0
+        policy,
+        Rank0Engine(engine),
+        version=version,
+        probe=probe or [],
+        rollout=rollout,
+        sync_count=0,
     )
 
 
@@ -67,8 +78,13 @@ def _one_update(policy: Policy, batch) -> float:
         dp_size=policy.dims.dp,
         micro_batch_size=4,
     )
-    policy.old_logprobs(share)
-    return policy.update(share, PolicyLossSpec("grpo", 0.2, 0.2), replay=False).grad_norm
+    mode = RoutingReplayMode.NONE
+    computed = policy.old_policy(share, mode)
+    share = [
+        replace(micro, old_logp=old.logp if old.logp is not None else micro.old_logp)
+        for micro, old in zip(share, computed, strict=True)
+    ]
+    return policy.update(share, PolicyLossSpec("grpo", 0.2, 0.2), mode).grad_norm
 
 
 def probe_check(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
@@ -76,7 +92,7 @@ def probe_check(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
     the update stops every rank with WeightSyncMismatch."""
     dims = ParallelDims(world_size=launch.world_size, ep=launch.world_size)
     init_distributed(dims, launch, seed=5)
-    policy = Policy(hf_dir, dims, OptimizerSettings(lr=1e-3))
+    policy = Policy(ModelConfig(hf_path=hf_dir), dims, OptimConfig(lr=1e-3))
     engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
     codec = PromptCodec(hf_dir, max_prompt_tokens=64)
     problem = ArithmeticTask().problems("eval", 1, seed=0)[0]
@@ -118,7 +134,7 @@ def weight_sync(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]) -> dict[
     apart after an update, equal again after the weight sync."""
     dims = ParallelDims(world_size=launch.world_size, **layout)
     init_distributed(dims, launch, seed=5)
-    policy = Policy(hf_dir, dims, OptimizerSettings(lr=1e-3))
+    policy = Policy(ModelConfig(hf_path=hf_dir), dims, OptimConfig(lr=1e-3))
     engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
     codec = PromptCodec(hf_dir, max_prompt_tokens=64)
     batch = _rollout_batch(engine, codec)
@@ -126,9 +142,9 @@ def weight_sync(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]) -> dict[
 
     def trainer_logp() -> tuple[torch.Tensor, torch.Tensor]:
         micro = micro_batches(batch, rows, dp_rank=0, dp_size=1, micro_batch_size=len(rows))
-        policy.old_logprobs(micro)
+        (old,) = policy.old_policy(micro, RoutingReplayMode.NONE)
         # only the last stage has them; rank 0 (the first stage under PP) compares
-        logp, mask = from_last_stage(micro[0].old_logp), micro[0].loss_mask
+        logp, mask = from_last_stage(old.logp), micro[0].loss_mask
         return torch.where(mask, logp, 0.0), mask
 
     result: dict[str, float] = {}
@@ -168,26 +184,27 @@ def checkpoint_round_trip(
     """Save a policy after a few updates in checkpoint format `format_version` (format 1 as an
     older megatron-rl wrote it), with the distributed or the plain optimizer, load it into a
     fresh policy, take one more update with both; report what differs."""
-    from megatron_rl.checkpoint import convert, train_state
+    from megatron_rl.checkpoint import format as checkpoint_format
+    from megatron_rl.trainer import checkpoints as train_state
 
     dims = ParallelDims(world_size=launch.world_size, ep=launch.world_size)
     init_distributed(dims, launch, seed=5)
     engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
     batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
-    settings = OptimizerSettings(lr=1e-3, distributed=distributed)
-    saved = Policy(hf_dir, dims, settings)
+    settings = OptimConfig(lr=1e-3, distributed_optimizer=distributed)
+    saved = Policy(ModelConfig(hf_path=hf_dir), dims, settings)
     for _ in range(SAVED_AFTER_UPDATES):
         _one_update(saved, batch)
     # an older writer: both the weights' keys and megatron_rl.json's format field
-    train_state.FORMAT_VERSION = convert.FORMAT_VERSION = format_version
+    train_state.FORMAT_VERSION = checkpoint_format.FORMAT_VERSION = format_version
     path = train_state.save_checkpoint(Path(directory), 1, saved, {"seen": 8}, keep=1)
-    fresh = Policy(hf_dir, dims, settings)
+    fresh = Policy(ModelConfig(hf_path=hf_dir), dims, settings)
     step, trainer = train_state.load_checkpoint(path, fresh)
     optimizer = dict(_adam_tensors(saved.optimizer))
     report = {
         "step": step,
         "trainer": trainer,
-        "format": convert.read_metadata(path).format_version,
+        "format": checkpoint_format.read_metadata(path).format_version,
         "weights_differ": _differing(
             saved.model.module.state_dict(), fresh.model.module.state_dict()
         ),

@@ -1,4 +1,5 @@
-"""Where the trainer's per-step metrics go: a JSONL file, a console progress bar, Weights & Biases.
+"""Where the trainer's per-step metrics go (the recipe's `metrics` section): a JSONL file, a
+console progress bar, Weights & Biases.
 
 The trainer builds one flat dict of floats per step (`reward/mean`, `loss/policy`,
 `time/rollout_s`, ...) and hands it to a `MetricsLogger`, which fans it out to every sink. Each
@@ -14,18 +15,33 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Literal, Protocol
 
 from tqdm import tqdm
 
+from megatron_rl.files.atomic import write_bytes_atomic
+
 WandbMode = Literal["auto", "online", "offline", "disabled"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """Where per-step metrics go."""
+
+    jsonl: bool = True
+    """Append every step's metrics to RUN_DIR/metrics.jsonl."""
+    console: bool = True
+    """Progress bar with ETA and the headline metrics."""
+    wandb: WandbMode = "disabled"
+    """wandb logging: auto (online with WANDB_API_KEY, else offline), online, offline, disabled."""
+    wandb_project: str = "megatron-rl"
+    """wandb project."""
 
 
 class MetricsSink(Protocol):
@@ -77,18 +93,7 @@ def _truncate_jsonl(path: Path, resume_step: int) -> None:
             raise
         if record["step"] <= resume_step:
             kept.append(line + b"\n")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.writelines(kept)
-            handle.flush()
-            os.fsync(handle.fileno())
-        # mkstemp creates the file private (0600); keep the permissions the log had.
-        shutil.copymode(path, tmp_name)
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(path, b"".join(kept))
 
 
 class JsonlSink:

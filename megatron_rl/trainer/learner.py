@@ -3,86 +3,96 @@ then minibatch updates of the Megatron-Core policy, and their metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from megatron.core import parallel_state
-from torch import Tensor
 
-from megatron_rl.algo import EXTREME_RATIO_TAUS, extreme_token_frac
-from megatron_rl.metrics import StepTimer
-from megatron_rl.models.policy import Policy, UpdateResult, metric_reduction
+from megatron_rl.algo import EXTREME_RATIO_TAUS, extreme_token_frac, get_policy_loss
 from megatron_rl.moe.drift import routing_bytes
-from megatron_rl.parallel.schedule import PolicyLossSpec, PolicyMicroBatch
 from megatron_rl.parallel.stages import from_last_stage
-from megatron_rl.rollout.batch import EngineRouting, RolloutBatch, micro_batches, minibatch_rows
-
-
-@dataclass(frozen=True, kw_only=True)
-class LearnSettings:
-    """What the learning step needs from the recipe (megatron_rl.config: algo, run)."""
-
-    updates_per_batch: int = 4
-    micro_batch_size: int = 32
-    routing_replay: Literal["none", "r2", "r3"] = "none"
-    use_engine_logprobs: bool = False
+from megatron_rl.trainer.batches import EngineRouting, RolloutBatch, micro_batches, minibatch_rows
+from megatron_rl.trainer.metrics import StepTimer
+from megatron_rl.trainer.micro_batch import PolicyMicroBatch
+from megatron_rl.trainer.policy import Policy, UpdateResult, metric_reduction
+from megatron_rl.trainer.recipe import AlgoConfig
+from megatron_rl.trainer.schedule import OldPolicy, PolicyLossSpec
 
 
 def learn(
     policy: Policy,
     batch: RolloutBatch | None,
     spec: PolicyLossSpec,
-    settings: LearnSettings,
-    timer: StepTimer,
+    algo: AlgoConfig,
     *,
+    micro_batch_size: int,
+    timer: StepTimer,
     seed: int,
 ) -> dict[str, float]:
-    """Old log-probs, then `settings.updates_per_batch` optimizer steps on minibatches of
-    `batch` (shuffled with `seed`); returns the step's training metrics."""
+    """Old log-probs, then `algo.updates_per_batch` optimizer steps on minibatches of `batch`
+    (shuffled with `seed`, cut into micro-batches of `micro_batch_size` rows); returns the
+    step's training metrics."""
     if batch is None:  # every group had equal rewards and was dropped
         return {"steps/skipped": 0.0, "steps/no_data": 1.0}
-    rows = minibatch_rows(batch.num_rows, settings.updates_per_batch, seed=seed)
-    engine_routing = _engine_routing(policy) if settings.routing_replay == "r3" else None
+    mode = algo.routing_replay
+    rows = minibatch_rows(batch.num_rows, algo.updates_per_batch, seed=seed)
+    engine_routing = _engine_routing(policy) if mode.uses_engine_routing else None
     minibatches = [
         micro_batches(
             batch,
             chunk,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
-            micro_batch_size=settings.micro_batch_size,
+            micro_batch_size=micro_batch_size,
             engine_routing=engine_routing,
         )
         for chunk in rows
     ]
-    every_micro_batch = [micro for minibatch in minibatches for micro in minibatch]
     metrics: dict[str, float] = {}
+    # The engine's log-probs stand in for the old policy's unless the trainer computes them;
+    # a loss that needs the old policy's entropy (SSPO) needs the trainer's forward anyway.
+    needs_forward = not algo.use_engine_logprobs or get_policy_loss(algo.loss).needs_old_entropy
     with timer.phase("old_logprob"):
-        needs_forward = not settings.use_engine_logprobs or spec.name == "sspo"
         if needs_forward:
-            engine_logp = [micro.old_logp for micro in every_micro_batch]
-            # R3 replays the engine's routing; otherwise the old routing is recorded (R2 replays
-            # it, and it is what the drift metrics compare the updated routers with).
-            routing = "replay" if settings.routing_replay == "r3" else "record"
-            policy.old_logprobs(every_micro_batch, routing=routing)
-            # The old log-probs are on the last pipeline stage; rank 0 logs.
-            last_stage = parallel_state.is_pipeline_last_stage()
-            old = _old_policy_metrics(every_micro_batch, engine_logp) if last_stage else {}
-            metrics |= from_last_stage(old)
-            records = [layer for micro in every_micro_batch for layer in micro.routing or []]
-            metrics["routing/record_bytes"] = float(routing_bytes(records))
-            if settings.use_engine_logprobs:
-                for micro, logp in zip(every_micro_batch, engine_logp, strict=True):
-                    micro.old_logp = logp
+            minibatches, old_metrics = _with_old_policy(policy, minibatches, algo)
+            metrics |= old_metrics
     with timer.phase("train"):
-        updates = [
-            policy.update(minibatch, spec, replay=settings.routing_replay != "none")
-            for minibatch in minibatches
-        ]
+        updates = [policy.update(minibatch, spec, mode) for minibatch in minibatches]
     if not needs_forward and not updates[0].skipped:
         metrics |= _mismatch_from_first_update(updates[0])
     return metrics | {"optim/lr": policy.learning_rate} | _update_metrics(updates)
+
+
+def _with_old_policy(
+    policy: Policy, minibatches: list[list[PolicyMicroBatch]], algo: AlgoConfig
+) -> tuple[list[list[PolicyMicroBatch]], dict[str, float]]:
+    """The minibatches as the updates see them, after the old-policy pass over all of their
+    micro-batches: its entropy and recorded routing attached and, unless
+    `algo.use_engine_logprobs`, its log-probs as the old ones (on the last pipeline stage, which
+    alone reads them); and the old policy's metrics."""
+    every_micro_batch = [micro for minibatch in minibatches for micro in minibatch]
+    computed = policy.old_policy(every_micro_batch, algo.routing_replay)
+    # The old log-probs are on the last pipeline stage; rank 0 logs.
+    last_stage = parallel_state.is_pipeline_last_stage()
+    old = _old_policy_metrics(every_micro_batch, computed) if last_stage else {}
+    metrics = from_last_stage(old)
+    attached = [
+        dataclasses.replace(
+            micro,
+            old_logp=micro.old_logp
+            if algo.use_engine_logprobs or values.logp is None
+            else values.logp,
+            old_entropy=values.entropy,
+            routing=micro.routing if values.routing is None else values.routing,
+        )
+        for micro, values in zip(every_micro_batch, computed, strict=True)
+    ]
+    # What the updates replay or compare with: recorded (R2, none) or the engine's (R3).
+    records = [layer for micro in attached for layer in micro.routing or []]
+    metrics["routing/record_bytes"] = float(routing_bytes(records))
+    remaining = iter(attached)
+    return [[next(remaining) for _ in minibatch] for minibatch in minibatches], metrics
 
 
 def _update_metrics(updates: list[UpdateResult]) -> dict[str, float]:
@@ -103,17 +113,18 @@ def _update_metrics(updates: list[UpdateResult]) -> dict[str, float]:
 
 
 def _old_policy_metrics(
-    every_micro_batch: list[PolicyMicroBatch], engine_logp: list[Tensor]
+    every_micro_batch: list[PolicyMicroBatch], computed: list[OldPolicy]
 ) -> dict[str, float]:
     """Entropy of the old policy and the engine/trainer mismatch (k3 KL(engine || trainer), the
     largest |log-ratio| and F(tau), the share of tokens whose probabilities differ by more than
-    tau times), over response tokens (this rank's share; equal shares make it representative)."""
+    tau times), over response tokens (this rank's share; equal shares make it representative).
+    The micro-batches still carry the engine's log-probs as `old_logp`."""
     masks = torch.cat([m.loss_mask.flatten() for m in every_micro_batch])
-    if masks.sum() == 0 or every_micro_batch[0].old_entropy is None:
+    if masks.sum() == 0 or computed[0].entropy is None:
         return {}
-    entropy = torch.cat([m.old_entropy.flatten() for m in every_micro_batch])[masks]
-    trainer = torch.cat([m.old_logp.flatten() for m in every_micro_batch])[masks].double()
-    engine = torch.cat([e.flatten() for e in engine_logp])[masks].double()
+    entropy = torch.cat([values.entropy.flatten() for values in computed])[masks]
+    trainer = torch.cat([values.logp.flatten() for values in computed])[masks].double()
+    engine = torch.cat([m.old_logp.flatten() for m in every_micro_batch])[masks].double()
     delta = trainer - engine
     everywhere = torch.ones_like(delta, dtype=torch.bool)
     return {

@@ -1,0 +1,96 @@
+"""What makes a directory a megatron-rl checkpoint, and how its weights are keyed.
+
+    megatron_rl.json   format version, model family, the MoEModelConfig
+    hf/                the source config.json and tokenizer files (used again on export)
+    weights/           megatron-core dist_checkpointing files (loadable at any TP/EP/PP)
+
+Conversions (`convert.py`) and training checkpoints (`megatron_rl.trainer.checkpoints`) both
+write this layout.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+
+from megatron_rl.files.hf_checkpoint import asset_files, copy_assets
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.families import FAMILIES
+from megatron_rl.models.families.base import ModelFamily
+
+FORMAT_VERSION = 2
+METADATA = "megatron_rl.json"
+
+# How `weights/` keys the model, by format version (the `metadata` of megatron-core's
+# `sharded_state_dict`). Format 1 stores each expert weight of all layers as one tensor of
+# layers x experts slices; saving and loading then compare every pair of slices for overlap
+# (megatron-core's and torch.distributed.checkpoint's validation), time that grows with the
+# square of layers x experts. Format 2 keys every layer and every expert on its own
+# (`singleton_local_shards`), so that checking is linear. Both reload at any TP/EP/PP.
+SHARDED_KEYS: dict[int, dict[str, bool] | None] = {1: None, 2: {"singleton_local_shards": True}}
+
+
+def model_sharded_state_dict(
+    model: torch.nn.Module, format_version: int = FORMAT_VERSION
+) -> ShardedStateDict:
+    """`model`'s (a megatron-core GPTModel, unwrapped) sharded state dict, keyed as checkpoints of
+    `format_version` key it."""
+    keys = SHARDED_KEYS[format_version]
+    # a fresh dict each call: megatron-core adds its process groups to the one it is given
+    return model.sharded_state_dict(metadata=None if keys is None else dict(keys))
+
+
+def write_metadata(ckpt: Path, family: ModelFamily, config: MoEModelConfig, hf_dir: Path) -> None:
+    """What makes `ckpt` (with its model in `weights/`) a megatron-rl checkpoint: METADATA and
+    `hf/` (config.json and tokenizer files of the Hugging Face checkpoint `hf_dir`)."""
+    (ckpt / "hf").mkdir()
+    shutil.copy2(hf_dir / "config.json", ckpt / "hf")
+    copy_assets(asset_files(hf_dir), ckpt / "hf")
+    metadata = {
+        "format": FORMAT_VERSION,
+        "architecture": family.architecture,
+        "model": asdict(config),
+    }
+    (ckpt / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class CheckpointMetadata:
+    """What `megatron_rl.json` says about a checkpoint."""
+
+    family: ModelFamily
+    config: MoEModelConfig
+    format_version: int
+
+
+def read_metadata(ckpt: Path, *, given_as: str | None = None) -> CheckpointMetadata:
+    """The metadata of checkpoint `ckpt`, checked; `given_as` is how the user named it (e.g.
+    `--ckpt`), for error messages."""
+    named = f"{given_as} {ckpt}" if given_as else str(ckpt)
+    path = ckpt / METADATA
+    if not path.is_file():
+        raise ValueError(f"{named}: no {METADATA}; not a megatron-rl checkpoint")
+    try:
+        metadata = json.loads(path.read_text())
+        version, architecture = metadata["format"], metadata["architecture"]
+        config = MoEModelConfig(**metadata["model"])
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: unreadable ({error!r})") from None
+    if version not in SHARDED_KEYS:
+        raise ValueError(
+            f"{path}: format {version}, this version of megatron-rl reads formats "
+            f"{', '.join(map(str, SHARDED_KEYS))}"
+        )
+    if architecture not in FAMILIES:
+        raise ValueError(
+            f"{path}: architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(FAMILIES)}"
+        )
+    if not (ckpt / "weights").is_dir():
+        raise ValueError(f"{named}: the weights/ directory is missing")
+    return CheckpointMetadata(FAMILIES[architecture], config, version)

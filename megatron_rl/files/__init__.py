@@ -1,0 +1,2 @@
+"""Files: atomic writes and staged directories, Hugging Face checkpoint directories, safetensors
+shards."""

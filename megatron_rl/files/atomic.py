@@ -1,0 +1,110 @@
+"""Writing so that a crash never leaves a half-written file or directory behind.
+
+A file is written to a temporary sibling, flushed to the disk and renamed over its target. A
+directory (a checkpoint, an export, a set of weights) is written into a staging sibling,
+`.NAME.partial`, and renamed to NAME only when everything in it is complete; an older NAME is
+replaced only after that. A run killed in between leaves the old NAME intact and, at most, the
+staging directory, which the next attempt at the same NAME removes first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_rl.parallel.collectives import any_rank, from_rank0
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write `data` to `path` through a temporary file in the same directory and an atomic
+    rename; a file already at `path` keeps its permissions."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if target.exists():
+            shutil.copymode(target, tmp_name)
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """`write_bytes_atomic` of `text` in UTF-8."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def check_output_dir(out: Path, *, overwrite: bool, given_as: str = "--out") -> None:
+    """Refuse an existing output unless `overwrite`, and a missing parent directory, before any
+    work is done; `given_as` is how the user named `out` (a flag or a recipe key)."""
+    if out.exists() and not overwrite:
+        raise ValueError(f"{given_as} {out}: already exists; pass --overwrite to replace it")
+    if not out.parent.is_dir():
+        raise ValueError(f"{given_as} {out}: parent directory {out.parent} does not exist")
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Move a completed `staging` directory to `out`, replacing an old `out` only after."""
+    if out.exists():
+        retired = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, retired)
+        os.replace(staging, out)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.replace(staging, out)
+
+
+def _fresh_staging(out: Path, overwrite: bool, given_as: str) -> Path:
+    check_output_dir(out, overwrite=overwrite, given_as=given_as)
+    staging = out.parent / f".{out.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while writing
+    staging.mkdir()
+    return staging
+
+
+@contextmanager
+def staged_directory(
+    out: Path, *, overwrite: bool, collective: bool = False, given_as: str = "--out"
+) -> Iterator[Path]:
+    """A staging directory that becomes `out` when the block completes, and is removed when it
+    raises (see the module docstring). `overwrite` allows replacing an existing `out`.
+
+    `collective`: every rank of the job enters the block and writes into the same staging
+    directory (a file system they share); rank 0 creates it, and publishes it only when every
+    rank has completed its block.
+    """
+    if not collective:
+        staging = _fresh_staging(out, overwrite, given_as)
+        try:
+            yield staging
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        publish(staging, out)
+        return
+    staging = from_rank0(lambda: _fresh_staging(out, overwrite, given_as))
+    failed = True
+    try:
+        yield staging
+        failed = False
+    finally:
+        failed_somewhere = any_rank(failed)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            if failed_somewhere:
+                shutil.rmtree(staging, ignore_errors=True)
+            else:
+                publish(staging, out)
+        if dist.is_initialized():
+            dist.barrier()

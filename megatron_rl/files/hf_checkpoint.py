@@ -1,0 +1,149 @@
+"""Hugging Face checkpoint directories, read lazily.
+
+A directory holds `config.json`, the weights as one `model.safetensors` or as shards listed in
+`model.safetensors.index.json`, and tokenizer files. Reading opens shards on demand and reads one
+tensor at a time (shapes come from the headers, without loading). Writing shards:
+`megatron_rl.files.safetensors_shards`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# Tokenizer and generation files copied along with the weights when present.
+ASSET_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: missing; a Hugging Face checkpoint needs its config.json")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return config
+
+
+# safetensors maps its files into memory; every page a read touches stays resident while the
+# file is open. Reopening a file after this many bytes keeps that resident set small.
+REOPEN_AFTER_BYTES = 256 * 2**20
+
+
+class HFCheckpoint:
+    """A Hugging Face checkpoint directory, read lazily.
+
+    Args:
+        directory: the checkpoint's directory.
+        given_as: how the user named it (`--hf`, `model.hf_path`), for error messages.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, given_as: str | None = None) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            named = f"{given_as} {self.directory}" if given_as else str(self.directory)
+            raise ValueError(f"{named}: not a directory")
+        self.config = read_config(self.directory)
+        self._file_of = self._weight_map()
+        self._handles: dict[Path, Any] = {}
+        self._bytes_read: dict[Path, int] = {}
+
+    def _weight_map(self) -> dict[str, Path]:
+        index = self.directory / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise ValueError(f"{index}: not a valid safetensors index ({error!r})") from None
+            files = {name: self.directory / file for name, file in weight_map.items()}
+            for path in sorted(set(files.values())):
+                if not path.is_file():
+                    raise ValueError(f"{path}: listed in {INDEX_NAME} but missing")
+            return files
+        single = self.directory / SINGLE_NAME
+        if not single.is_file():
+            raise ValueError(
+                f"{self.directory}: no weights ({SINGLE_NAME} or {INDEX_NAME}); only safetensors "
+                "checkpoints are supported"
+            )
+        with self._open(single) as handle:
+            return dict.fromkeys(handle.keys(), single)
+
+    @contextmanager
+    def _open(self, path: Path) -> Iterator[Any]:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                yield handle
+        except SafetensorError as error:
+            raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
+
+    def _handle(self, path: Path) -> Any:
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except SafetensorError as error:
+                raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
+        return self._handles[path]
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def _path(self, name: str) -> Path:
+        if name not in self._file_of:
+            raise ValueError(f"{self.directory}: tensor {name!r} is missing from the checkpoint")
+        return self._file_of[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self._path(name)).get_slice(name).get_shape())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        path = self._path(name)
+        try:
+            tensor = self._handle(path).get_tensor(name)
+        except SafetensorError as error:
+            raise ValueError(f"{path}: cannot read tensor {name!r} ({error})") from None
+        self._bytes_read[path] = (
+            self._bytes_read.get(path, 0) + tensor.numel() * tensor.element_size()
+        )
+        if self._bytes_read[path] > REOPEN_AFTER_BYTES:
+            self._handles.pop(path, None)
+            self._bytes_read[path] = 0
+        return tensor
+
+    def close(self) -> None:
+        """Unmap every open file."""
+        self._handles.clear()
+        self._bytes_read.clear()
+
+
+def asset_files(directory: Path) -> list[Path]:
+    """The tokenizer and generation files (ASSET_FILES) present in `directory`."""
+    return [directory / name for name in ASSET_FILES if (directory / name).is_file()]
+
+
+def copy_assets(files: Iterable[Path], directory: Path) -> None:
+    for path in files:
+        shutil.copy2(path, directory / path.name)

@@ -1,0 +1,64 @@
+"""The recipe's `data` section: where the problems come from and which verifier scores them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_rl.config import ConfigError, check_positive
+from megatron_rl.rewards.arithmetic import ArithmeticTask
+from megatron_rl.rewards.datasets import load_jsonl_problems
+from megatron_rl.rewards.source import ProblemSource
+from megatron_rl.rewards.verifiers import verifier_names
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Prompts, references and the verifier that scores responses."""
+
+    source: Literal["arithmetic", "jsonl"] = "arithmetic"
+    """arithmetic: the built-in multi-step task; jsonl: `train_path` / `eval_path` files."""
+    train_path: str | None = None
+    """JSONL file with one {"prompt": ..., "answer": ...} per line (source=jsonl)."""
+    eval_path: str | None = None
+    """JSONL file of held-out problems (source=jsonl)."""
+    verifier: str = "arithmetic"
+    """Reward function, one of megatron_rl.rewards.verifier_names()."""
+    reward_timeout_s: float = 5.0
+    """A verifier call longer than this gives reward 0 (counted as a timeout)."""
+    eval_problems: int = 256
+    """Held-out problems scored at each evaluation (the first N of the eval split)."""
+    min_operands: int = 3
+    """Arithmetic task: fewest numbers in an expression."""
+    max_operands: int = 4
+    """Arithmetic task: most numbers in an expression."""
+    max_operand: int = 30
+    """Arithmetic task: largest number."""
+
+    def validate(self) -> None:
+        if self.verifier not in verifier_names():
+            raise ConfigError(
+                f"data.verifier: unknown verifier {self.verifier!r}; valid: "
+                f"{', '.join(verifier_names())}"
+            )
+        if self.source == "jsonl" and not (self.train_path and self.eval_path):
+            raise ConfigError("data.train_path and data.eval_path: required when source=jsonl")
+        check_positive("data", self, "reward_timeout_s", "eval_problems")
+
+
+def problem_source(config: DataConfig, *, per_step: int, seed: int) -> ProblemSource:
+    """The training batches and held-out problems `config` names; `per_step` problems per RL
+    step, shuffled with `seed`."""
+    if config.source == "jsonl":
+        train = load_jsonl_problems(config.train_path)
+        held_out = load_jsonl_problems(config.eval_path)
+    else:
+        task = ArithmeticTask(
+            min_operands=config.min_operands,
+            max_operands=config.max_operands,
+            max_operand=config.max_operand,
+        )
+        train = task.problems("train", 20_000, seed=seed)
+        # One fixed held-out set (seed 0), so runs with different seeds are compared on it.
+        held_out = task.problems("eval", config.eval_problems, seed=0)
+    return ProblemSource(train, held_out[: config.eval_problems], per_step=per_step, seed=seed)

@@ -1,0 +1,62 @@
+"""The recipe's `rollout` section: sampling, the engine that samples, and weight sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_rl.config import ConfigError, check_positive
+from megatron_rl.rollout.sglang.config import SGLangConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Sampling responses from the current policy."""
+
+    backend: Literal["local", "sglang"] = "local"
+    """Rollout engine: local (in-process Hugging Face model; CPU runs and tests) or sglang
+    (SGLang servers, rollout.sglang)."""
+    prompts_per_step: int = 16
+    """Prompts sampled per RL step."""
+    group_size: int = 8
+    """Responses per prompt (the group of group-relative advantages)."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are always taken at temperature 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    max_new_tokens: int = 48
+    """Longest response in tokens."""
+    max_batch_size: int = 256
+    """Sequences the local engine generates at once."""
+    sync_bucket_mb: int = 512
+    """Weight sync bucket size in MiB (tensors per transfer)."""
+    probe_every: int = 1
+    """Check the engine's log-probs of a fixed probe sequence against the trainer's after every
+    k-th weight sync; 0 never checks."""
+    probe_tolerance: float = 0.02
+    """Largest mean |engine - trainer| log-prob on the probe before the run stops (bf16
+    engines differ by ~1e-2; stale weights by more)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang servers, for backend=sglang."""
+
+    def validate(self) -> None:
+        check_positive(
+            "rollout",
+            self,
+            "prompts_per_step",
+            "max_new_tokens",
+            "max_batch_size",
+            "sync_bucket_mb",
+            "probe_tolerance",
+        )
+        if self.probe_every < 0:
+            raise ConfigError(f"rollout.probe_every: expected >= 0, got {self.probe_every}")
+        if self.group_size < 2:
+            raise ConfigError(
+                f"rollout.group_size: expected >= 2, got {self.group_size} (advantages are "
+                "relative to the prompt's group; one sample has no group mean or std)"
+            )
+        if self.temperature < 0:
+            raise ConfigError(f"rollout.temperature: expected >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p: expected a value in (0, 1], got {self.top_p}")

@@ -1,0 +1,253 @@
+"""The RL loop: rollout -> rewards -> advantages -> old log-probs -> minibatch updates -> weight
+sync -> metrics -> checkpoint. `train(recipe)` runs it on every rank of the job.
+
+Rank 0 owns the rollout engine, the verifiers and the metric sinks; the samples go to every rank,
+which takes its data-parallel share. Each step's randomness (the prompts, the engine's sampling,
+the minibatch order) is derived from `run.seed` and the step number alone, so a resumed run
+repeats exactly what an uninterrupted one would have done.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import asdict
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_rl.checkpoint.convert import export_hf
+from megatron_rl.files.hf_checkpoint import read_config
+from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, shutdown_distributed
+from megatron_rl.rewards import Problem, ProblemSource, Verifier, get_verifier, problem_source
+from megatron_rl.rollout.backends import open_engine
+from megatron_rl.rollout.codec import PromptCodec
+from megatron_rl.rollout.evaluate import held_out_accuracy
+from megatron_rl.trainer.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.trainer.learner import learn
+from megatron_rl.trainer.metrics import (
+    ConsoleSink,
+    JsonlSink,
+    MetricsLogger,
+    MetricsSink,
+    StepTimer,
+    WandbSink,
+)
+from megatron_rl.trainer.policy import Policy
+from megatron_rl.trainer.rank0_engine import Rank0Engine
+from megatron_rl.trainer.recipe import Recipe
+from megatron_rl.trainer.rollout_step import rollout_step
+from megatron_rl.trainer.weight_sync import sync_weights
+
+
+class TrainingAborted(RuntimeError):
+    """The run cannot go on (e.g. too many consecutive non-finite steps)."""
+
+
+def train(recipe: Recipe, *, resume: bool = False) -> dict[str, float]:
+    """Run `recipe` to its last step; returns the last step's metrics (on rank 0)."""
+    launch = LaunchEnv.from_environ()
+    dims = ParallelDims.of(recipe.parallel, launch.world_size)
+    init_distributed(dims, launch, seed=recipe.run.seed)
+    try:
+        with ExitStack() as stack:  # the rollout engine's servers and resources
+            return Trainer.build(recipe, dims, stack, resume=resume).run()
+    finally:
+        shutdown_distributed()
+
+
+class Trainer:
+    """One run on this rank: what `build` makes, then `step` after `step` (`run`)."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        policy: Policy,
+        engine: Rank0Engine,
+        codec: PromptCodec,
+        problems: ProblemSource,
+        verifier: Verifier,
+    ) -> None:
+        self.recipe, self.policy, self.engine = recipe, policy, engine
+        self.codec, self.problems, self.verifier = codec, problems, verifier
+        self.loss_spec = recipe.algo.loss_spec(max_response_len=recipe.rollout.max_new_tokens)
+        self.run_dir = Path(recipe.run.dir)
+        self.probe = _probe_sequence(codec, problems.eval_problems[0])
+        self.start, self.bad_steps, self.syncs = 0, 0, 0
+
+    @classmethod
+    def build(
+        cls, recipe: Recipe, dims: ParallelDims, stack: ExitStack, *, resume: bool
+    ) -> Trainer:
+        """The policy, the engine (its servers and resources released when `stack` closes)
+        serving the policy's weights, and the data; from the newest checkpoint with `resume`."""
+        hf_path, run_dir = recipe.model.hf_path, Path(recipe.run.dir)
+        codec = PromptCodec(hf_path, max_prompt_tokens=_max_prompt_tokens(recipe))
+        problems = problem_source(
+            recipe.data, per_step=recipe.rollout.prompts_per_step, seed=recipe.run.seed
+        )
+        verifier = get_verifier(recipe.data.verifier)
+        policy = Policy(recipe.model, dims, recipe.optim)
+        engine = None
+        if dist.get_rank() == 0:
+            engine = open_engine(
+                recipe.rollout,
+                hf_path,
+                run_dir,
+                stack,
+                routing_shape=(policy.config.num_layers, policy.config.router_topk),
+                routed_experts=recipe.algo.routing_replay.uses_engine_routing,
+            )
+        trainer = cls(recipe, policy, Rank0Engine(engine), codec, problems, verifier)
+        found = latest_checkpoint(trainer.checkpoint_dir)
+        if found is not None and not resume:
+            raise ValueError(
+                f"run.dir {run_dir}: holds checkpoints of an earlier run ({found.name}); pass "
+                "--resume to continue it, or choose another run.dir"
+            )
+        if found is not None:
+            trainer.start, state = load_checkpoint(found, policy)
+            trainer.bad_steps = state["bad_steps"]
+        trainer.sync(trainer.start)
+        return trainer
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def run(self) -> dict[str, float]:
+        """Every step from the start (or the resumed checkpoint) to `run.steps`, logged, checked
+        and checkpointed; then the export. Returns the last step's metrics."""
+        recipe, metrics = self.recipe, {}
+        with MetricsLogger(self._metric_sinks() if dist.get_rank() == 0 else []) as logger:
+            if self.start == 0:
+                logger.log(0, self.evaluate())
+            for step in range(self.start + 1, recipe.run.steps + 1):
+                metrics = self.step(step)
+                logger.log(step, metrics)
+                self._count_bad_steps(step, metrics)
+                self._save_if_due(step)
+        if recipe.checkpoint.export_hf:
+            self._export()
+        return metrics
+
+    def step(self, step: int) -> dict[str, float]:
+        """RL step `step` (from 1): the picture of the module docstring; returns its metrics."""
+        recipe, timer = self.recipe, StepTimer()
+        with timer.phase("rollout"):
+            batch, metrics = self.engine.run(
+                lambda engine: rollout_step(
+                    engine,
+                    self.codec,
+                    self.problems.train_batch(step),
+                    self.verifier,
+                    rollout=recipe.rollout,
+                    algo=recipe.algo,
+                    data=recipe.data,
+                    seed=recipe.run.seed * 1_000_003 + step,
+                )
+            )
+        metrics |= learn(
+            self.policy,
+            batch,
+            self.loss_spec,
+            recipe.algo,
+            micro_batch_size=recipe.run.micro_batch_size,
+            timer=timer,
+            seed=recipe.run.seed + step,
+        )
+        with timer.phase("weight_sync"):
+            metrics |= self.sync(step)
+        if step % recipe.run.eval_every == 0 or step == recipe.run.steps:
+            with timer.phase("eval"):
+                metrics |= self.evaluate()
+        return metrics | timer.metrics(0 if batch is None else int(batch.loss_mask.sum()))
+
+    def sync(self, version: int) -> dict[str, float]:
+        """The policy's weights into the engine as `version`, checked by the probe as the recipe
+        says; its metrics."""
+        metrics = sync_weights(
+            self.policy,
+            self.engine,
+            version=version,
+            probe=self.probe,
+            rollout=self.recipe.rollout,
+            sync_count=self.syncs,
+        )
+        self.syncs += 1
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy: one greedy response per evaluation problem, scored."""
+        recipe = self.recipe
+        accuracy = self.engine.run(
+            lambda engine: held_out_accuracy(
+                engine,
+                self.codec,
+                self.problems.eval_problems,
+                self.verifier,
+                max_new_tokens=recipe.rollout.max_new_tokens,
+                timeout_s=recipe.data.reward_timeout_s,
+            )
+        )
+        return {"eval/accuracy": accuracy}
+
+    def _save_if_due(self, step: int) -> None:
+        checkpoint, last = self.recipe.checkpoint, self.recipe.run.steps
+        if step == last or (checkpoint.save_every > 0 and step % checkpoint.save_every == 0):
+            state = {"bad_steps": self.bad_steps}
+            save_checkpoint(self.checkpoint_dir, step, self.policy, state, keep=checkpoint.keep)
+
+    def _export(self) -> None:
+        """The final policy as a Hugging Face checkpoint in RUN_DIR/export."""
+        policy, assets = self.policy, Path(self.recipe.model.hf_path)
+        module, out = policy.model.module, self.run_dir / "export"
+        export_hf(module, policy.family, policy.config, assets, out, overwrite=True)
+
+    def _count_bad_steps(self, step: int, metrics: dict[str, float]) -> None:
+        self.bad_steps = self.bad_steps + 1 if metrics["steps/skipped"] else 0
+        limit = self.recipe.run.max_bad_steps
+        if self.bad_steps >= limit:
+            raise TrainingAborted(
+                f"step {step}: {self.bad_steps} consecutive steps with a non-finite loss "
+                f"or gradient (run.max_bad_steps={limit}); the last good "
+                f"checkpoint is in {self.checkpoint_dir}"
+            )
+
+    def _metric_sinks(self) -> list[MetricsSink]:
+        recipe, config = self.recipe, self.recipe.metrics
+        sinks: list[MetricsSink] = []
+        if config.jsonl:
+            # A fresh run starts the file afresh; a resumed one keeps the steps it resumes after.
+            resume_step = self.start if self.start else -1
+            sinks.append(JsonlSink(self.run_dir / "metrics.jsonl", resume_step=resume_step))
+        if config.console:
+            keys = ("reward/mean", "eval/accuracy", "loss/policy", "clip_frac/seq")
+            sinks.append(ConsoleSink(recipe.run.steps, keys, start_step=self.start))
+        if config.wandb != "disabled":
+            sinks.append(
+                WandbSink(
+                    config.wandb_project,
+                    recipe.run.name,
+                    self.run_dir,
+                    asdict(recipe),
+                    mode=config.wandb,
+                    resume_id=recipe.run.name if self.start else None,
+                )
+            )
+        return sinks
+
+
+def _max_prompt_tokens(recipe: Recipe) -> int:
+    context = read_config(Path(recipe.model.hf_path)).get("max_position_embeddings", 4096)
+    return context - recipe.rollout.max_new_tokens
+
+
+def _probe_sequence(codec: PromptCodec, problem: Problem) -> list[int]:
+    """The weight-sync probe: a held-out prompt and its ideal response (or reference answer),
+    as token ids."""
+    response = problem.solution or problem.reference
+    ids = codec.encode_prompt(problem.prompt) + codec.tokenizer.encode(
+        response, add_special_tokens=False
+    )
+    return ids[: codec.max_prompt_tokens]

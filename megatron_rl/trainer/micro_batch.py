@@ -1,0 +1,110 @@
+"""The trainer's unit of work: one micro-batch of rollouts, as the schedule feeds it to a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
+
+from megatron_rl.parallel.packing import packed_positions, packed_targets, unpack
+
+
+@dataclass(frozen=True)
+class PolicyMicroBatch:
+    """One micro-batch of rollouts, padded `[b, S]` or packed `[1, total]` (THD).
+
+    Position t of every per-token tensor refers to the token predicted at t, i.e. the token that
+    follows t in its sequence. Padded: rows are sequences, padded to a common length S; put the
+    padding after each sequence (right padding): the model attends causally with no padding
+    mask, so padding before a sequence would be attended to by its tokens. Packed:
+    sequences lie back to back in one row and `cu_seqlens` `[N + 1]` holds their offsets; the
+    last token of each sequence has no successor and must be outside `loss_mask`.
+
+    Attributes:
+        tokens: `[b, S]` (or `[1, total]`) prompt + response token ids (padding: any valid id).
+        loss_mask: like tokens, bool, true where the predicted token is a response token.
+        old_logp: like tokens, old-policy log-prob of the predicted token.
+        advantages: `[b]` (or `[N]`) per-sequence advantages; per-token ones like tokens.
+        segment_ids: like tokens, SSPO segment ids within each sequence, or None.
+        old_entropy: like tokens, old-policy entropy, or None.
+        cu_seqlens: `[N + 1]` offsets of the packed sequences, or None when padded.
+        routing: per MoE layer of this rank's stage, the `[tokens, topk]` experts to replay
+            (R2: recorded by the old-policy pass; R3: from the rollout engine).
+
+    The packed (THD) form is built and checked by the tests but not by training yet: the
+    trainer pads (see `megatron_rl.parallel`, paths only tests take).
+    """
+
+    tokens: Tensor
+    loss_mask: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    segment_ids: Tensor | None = None
+    old_entropy: Tensor | None = None
+    cu_seqlens: Tensor | None = None
+    routing: list[Tensor] | None = None
+
+    def to(self, device: torch.device) -> PolicyMicroBatch:
+        """This micro-batch with every tensor on `device`; itself when they are already there."""
+        if self.tokens.device == device:
+            return self
+        moved = {item.name: _on_device(getattr(self, item.name), device) for item in fields(self)}
+        return PolicyMicroBatch(**moved)
+
+    def targets(self) -> Tensor:
+        """The next token at each position (a sequence's last position repeats its own token)."""
+        if self.cu_seqlens is not None:
+            return packed_targets(self.tokens[0], self.cu_seqlens)[None]
+        return torch.cat([self.tokens[:, 1:], self.tokens[:, -1:]], dim=1)
+
+    def position_ids(self) -> Tensor:
+        if self.cu_seqlens is not None:
+            return packed_positions(self.cu_seqlens)[1][None]
+        batch, seq = self.tokens.shape
+        return torch.arange(seq, device=self.tokens.device).expand(batch, seq)
+
+    def packed_seq_params(self) -> PackedSeqParams | None:
+        """Megatron-core's THD attention parameters (Transformer Engine attention only)."""
+        if self.cu_seqlens is None:
+            return None
+        cu_seqlens = self.cu_seqlens.to(torch.int32)
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=max_len,
+            max_seqlen_kv=max_len,
+        )
+
+    def row_mask(self) -> Tensor:
+        """`loss_mask` with one row per sequence (unpacked when packed)."""
+        if self.cu_seqlens is None:
+            return self.loss_mask
+        return unpack(self.loss_mask[0], self.cu_seqlens, fill=False)
+
+    def as_rows(self, logp: Tensor) -> tuple[Tensor, ...]:
+        """(logp, old_logp, loss_mask, segment_ids, old_entropy) as `[rows, length]` tensors:
+        unchanged when padded, unpacked into one row per sequence when packed."""
+        fields = (logp, self.old_logp, self.loss_mask, self.segment_ids, self.old_entropy)
+        if self.cu_seqlens is None:
+            return fields
+        last = self.cu_seqlens[1:] - 1
+        if bool(self.loss_mask[0, last].any()):
+            raise ValueError(
+                "loss_mask: true on the last token of a packed sequence, which predicts nothing"
+            )
+        return tuple(
+            None if field is None else unpack(field[0], self.cu_seqlens, fill=0) for field in fields
+        )
+
+
+def _on_device(value: Tensor | list[Tensor] | None, device: torch.device) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [tensor.to(device) for tensor in value]
+    return value.to(device)

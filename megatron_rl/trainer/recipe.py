@@ -1,0 +1,158 @@
+"""A training recipe: every section of `megatron-rl train RECIPE`, and the trainer's own.
+
+Each component defines the section it takes, with each option's default in that one place:
+`model` (megatron_rl.models.config), `parallel` (megatron_rl.parallel.dims), `rollout` and
+`rollout.sglang` (megatron_rl.rollout.config, megatron_rl.rollout.sglang.config), `optim`
+(megatron_rl.trainer.optimizer), `data` (megatron_rl.rewards.config), `metrics`
+(megatron_rl.trainer.metrics). The trainer's own, `algo`, `run` and `checkpoint`, are here.
+`megatron_rl.config.load_config(Recipe, path, overrides)` reads one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_rl.algo import LOSS_AGG_MODES, get_policy_loss, policy_loss_names
+from megatron_rl.config import ConfigError, check_positive
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.moe.replay_mode import RoutingReplayMode
+from megatron_rl.parallel.dims import ParallelConfig
+from megatron_rl.rewards.config import DataConfig
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.trainer.metrics import MetricsConfig
+from megatron_rl.trainer.optimizer import OptimConfig
+from megatron_rl.trainer.schedule import PolicyLossSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgoConfig:
+    """The policy-optimisation algorithm."""
+
+    loss: str = "gspo"
+    """Policy loss, one of megatron_rl.algo.policy_loss_names()."""
+    clip_low: float | None = None
+    """Lower clip half-width; None takes the loss's default (docs/algorithms.md)."""
+    clip_high: float | None = None
+    """Upper clip half-width; None takes the loss's default."""
+    loss_agg: str = "seq-mean-token-mean"
+    """How token objectives become the loss (docs/algorithms.md, Aggregation)."""
+    routing_replay: RoutingReplayMode = RoutingReplayMode.NONE
+    """none; r2: replay the old policy's routing; r3: replay the rollout engine's routing."""
+    updates_per_batch: int = 4
+    """Minibatch updates per rollout batch (the GSPO paper uses 4)."""
+    use_engine_logprobs: bool = False
+    """Take old log-probs from the rollout engine instead of a trainer forward."""
+    std_normalize: bool = True
+    """Divide group advantages by the group's std (GRPO); false: Dr. GRPO's mean-centring only."""
+    drop_zero_variance_groups: bool = False
+    """Leave out groups whose rewards are all equal (they carry no gradient; always counted)."""
+
+    def validate(self) -> None:
+        if self.loss not in policy_loss_names():
+            raise ConfigError(
+                f"algo.loss: unknown loss {self.loss!r}; valid: {', '.join(policy_loss_names())}"
+            )
+        if self.loss_agg not in LOSS_AGG_MODES:
+            raise ConfigError(
+                f"algo.loss_agg: unknown mode {self.loss_agg!r}; valid: {', '.join(LOSS_AGG_MODES)}"
+            )
+        for name in ("clip_low", "clip_high"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"algo.{name}: expected >= 0, got {value}")
+        if self.updates_per_batch < 1:
+            raise ConfigError(
+                f"algo.updates_per_batch: expected >= 1, got {self.updates_per_batch}"
+            )
+
+    def loss_spec(self, *, max_response_len: int) -> PolicyLossSpec:
+        """The policy loss the updates use: this section's loss and clip range (the loss's
+        defaults where unset); `max_response_len` is Dr. GRPO's constant normaliser."""
+        default_low, default_high = get_policy_loss(self.loss).default_clip
+        dr_grpo = self.loss_agg == "seq-mean-token-sum-norm"
+        return PolicyLossSpec(
+            name=self.loss,
+            clip_low=default_low if self.clip_low is None else self.clip_low,
+            clip_high=default_high if self.clip_high is None else self.clip_high,
+            options={
+                "loss_agg": self.loss_agg,
+                # Non-finite values must reach the loss, where the step is skipped and counted.
+                "check_finite": False,
+            }
+            | ({"max_response_len": max_response_len} if dr_grpo else {}),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The run: length, seeds, batching, where it writes."""
+
+    name: str = "run"
+    """Run name (wandb, log lines)."""
+    dir: str = "runs/run"
+    """Run directory: metrics.jsonl, checkpoints/, export/, wandb/."""
+    steps: int = 100
+    """RL steps (one rollout batch each)."""
+    seed: int = 1234
+    """Seed of data order, sampling and initialisation."""
+    eval_every: int = 10
+    """Held-out accuracy every this many steps (and before the first step and after the last)."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward pass (gradient accumulation makes up the minibatch)."""
+    max_bad_steps: int = 3
+    """Consecutive steps with a non-finite loss or gradient (skipped) before the run aborts."""
+
+    def validate(self) -> None:
+        check_positive("run", self, "steps", "eval_every", "micro_batch_size", "max_bad_steps")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Distributed checkpoints of the whole training state, and the final export."""
+
+    save_every: int = 0
+    """Save every this many steps (0: only at the end)."""
+    keep: int = 2
+    """Checkpoints kept on disk (the newest ones)."""
+    export_hf: bool = True
+    """Export the final policy to RUN_DIR/export as a Hugging Face checkpoint."""
+
+    def validate(self) -> None:
+        if self.save_every < 0 or self.keep < 1:
+            raise ConfigError("checkpoint.save_every: expected >= 0; checkpoint.keep: >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """A training recipe: every section of `megatron-rl train RECIPE`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The parallel layout."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """The algorithm."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and rewards."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Length, seeds, batching, run directory."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Metric sinks."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and export."""
+
+    def validate(self) -> None:
+        if self.parallel.cp > 1:
+            raise ConfigError(
+                "parallel.cp: the trainer does not split sequences yet (model-level context "
+                "parallelism needs Transformer Engine's attention; docs/parallelism.md)"
+            )
+        if self.algo.routing_replay.needs_old_policy_forward and self.algo.use_engine_logprobs:
+            raise ConfigError(
+                "algo.routing_replay=r2 records routing in the trainer's old-policy forward, "
+                "which algo.use_engine_logprobs=true skips; use r3 or turn one off"
+            )
