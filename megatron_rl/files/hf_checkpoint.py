@@ -35,7 +35,12 @@ ASSET_FILES = (
 )
 
 
-def read_config(directory: Path) -> dict[str, Any]:
+def read_config(directory: Path, *, given_as: str | None = None) -> dict[str, Any]:
+    """The config.json of the Hugging Face checkpoint `directory`; `given_as` is how the user
+    named the directory (`--hf`, `model.hf_path`), for error messages."""
+    if not directory.is_dir():
+        named = f"{given_as} {directory}" if given_as else str(directory)
+        raise ValueError(f"{named}: not a directory")
     path = directory / "config.json"
     if not path.is_file():
         raise ValueError(f"{path}: missing; a Hugging Face checkpoint needs its config.json")
@@ -63,10 +68,7 @@ class HFCheckpoint:
 
     def __init__(self, directory: str | os.PathLike[str], *, given_as: str | None = None) -> None:
         self.directory = Path(directory)
-        if not self.directory.is_dir():
-            named = f"{given_as} {self.directory}" if given_as else str(self.directory)
-            raise ValueError(f"{named}: not a directory")
-        self.config = read_config(self.directory)
+        self.config = read_config(self.directory, given_as=given_as)
         self._file_of = self._weight_map()
         self._handles: dict[Path, Any] = {}
         self._bytes_read: dict[Path, int] = {}

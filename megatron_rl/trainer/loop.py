@@ -239,7 +239,8 @@ class Trainer:
 
 
 def _max_prompt_tokens(recipe: Recipe) -> int:
-    context = read_config(Path(recipe.model.hf_path)).get("max_position_embeddings", 4096)
+    config = read_config(Path(recipe.model.hf_path), given_as="model.hf_path")
+    context = config.get("max_position_embeddings", 4096)
     return context - recipe.rollout.max_new_tokens
 
 

@@ -37,6 +37,9 @@ def test_missing_config(hf, tmp_path, capsys):
     (hf / "config.json").unlink()
     assert main(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "o")]) == 2
     assert "config.json: missing" in capsys.readouterr().err
+    missing = tmp_path / "missing"
+    assert main(["convert", "hf-to-mcore", "--hf", str(missing), "--out", str(tmp_path / "o")]) == 2
+    assert f"--hf {missing}: not a directory" in capsys.readouterr().err  # the flag given
 
 
 def test_missing_weights_and_corrupt_file(hf, tmp_path, capsys):
@@ -76,7 +79,7 @@ def test_existing_output_is_refused_without_overwrite(hf, tmp_path, capsys):
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert (out / "keep").read_text() == "mine"
     assert main(["convert", "mcore-to-hf", "--ckpt", str(hf), "--out", str(out)]) == 2
-    assert "no megatron_rl.json; not a megatron-rl checkpoint" in capsys.readouterr().err
+    assert f"--ckpt {hf}: no megatron_rl.json; not a megatron-rl" in capsys.readouterr().err
 
 
 def test_config_that_disagrees_with_the_weights_names_the_tensor_and_leaves_nothing(hf, tmp_path):

@@ -62,7 +62,9 @@ def train_command(
 
 
 def train_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1") | (extra or {})
+    # Warnings stay on: the CLI keeps the known ones off the console (megatron_rl/cli).
+    env = dict(os.environ, OMP_NUM_THREADS="1") | (extra or {})
+    env.pop("PYTHONWARNINGS", None)
     for name in ("RANK", "WORLD_SIZE", "WANDB_API_KEY"):
         env.pop(name, None)
     return env

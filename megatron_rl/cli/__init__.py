@@ -3,37 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import signal
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 # Subcommands import what they use when they run: importing megatron-core, transformers and
 # wandb takes seconds, and megatron-core's checkpoint writer starts a helper process that imports
 # this (the main) module again.
+from megatron_rl.cli.arguments import fraction, positive_int
+from megatron_rl.cli.bench import add_bench
+from megatron_rl.cli.known_warnings import WarningRouter
 from megatron_rl.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
     from megatron_rl.parallel.distributed import LaunchEnv
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text}")
-    return value
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -47,6 +32,10 @@ def _train(args: argparse.Namespace) -> int:
     from megatron_rl.trainer.recipe import Recipe
 
     recipe = load_config(Recipe, args.recipe, args.overrides)
+    launch = LaunchEnv.from_environ()
+    args.known_warnings.log_to(
+        Path(recipe.run.dir) / "warnings.log", prefix=f"[rank {launch.rank}] "
+    )
     # SIGTERM (a scheduler's preemption, torchrun stopping its workers) unwinds the run like an
     # error, so that the rollout servers it started are stopped too.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -55,7 +44,7 @@ def _train(args: argparse.Namespace) -> int:
     except TrainingAborted as error:
         print(f"megatron-rl: training aborted: {error}", file=sys.stderr)
         return 3
-    if LaunchEnv.from_environ().rank == 0 and "eval/accuracy" in metrics:
+    if launch.rank == 0 and "eval/accuracy" in metrics:
         print(f"held-out accuracy after step {recipe.run.steps}: {metrics['eval/accuracy']:.3f}")
     return 0
 
@@ -72,7 +61,17 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest if any"
     )
+    _add_verbose(parser)
     parser.set_defaults(handler=_train)
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the known, harmless warnings of megatron-core and torch "
+        "(megatron_rl/cli/known_warnings.py; train keeps them in RUN_DIR/warnings.log)",
+    )
 
 
 def _losses(args: argparse.Namespace) -> int:
@@ -104,165 +103,12 @@ def _add_losses(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch")
     parser.add_argument(
         "--routing-changed-frac",
-        type=_fraction,
+        type=fraction,
         default=0.1,
         help="share of tokens whose log-prob moves as if their experts changed (default 0.1)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
     parser.set_defaults(handler=_losses)
-
-
-@dataclass(frozen=True)
-class _BenchCommand:
-    """A `megatron-rl bench` subcommand: its module (with `run_benchmark`, `format_markdown`
-    and `write_report`), its options, and how its arguments run the benchmark."""
-
-    module: str
-    help: str
-    options: tuple[tuple[str, dict[str, Any]], ...]
-    run: Callable[[ModuleType, argparse.Namespace], dict]
-
-
-BENCH_COMMANDS = {
-    "logprobs": _BenchCommand(
-        "megatron_rl.bench.logprobs",
-        "log-probs + entropy forward/backward: chunked kernel vs naive log_softmax",
-        (
-            ("--tokens", {"type": _positive, "default": 4096, "help": "tokens (default 4096)"}),
-            (
-                "--vocab",
-                {
-                    "type": _positive,
-                    "default": 151_936,
-                    "help": "vocabulary size (default Qwen3's)",
-                },
-            ),
-            ("--dtype", {"choices": ["bfloat16", "float32"], "default": "bfloat16"}),
-            ("--repeats", {"type": _positive, "default": 3, "help": "timed repeats"}),
-            (
-                "--chunk-tokens",
-                {"type": _positive, "default": None, "help": "tokens per chunk (default: auto)"},
-            ),
-            (
-                "--threads",
-                {"type": int, "default": 0, "help": "torch threads (0: torch's default)"},
-            ),
-        ),
-        lambda bench, args: bench.run_benchmark(
-            bench.LogprobBenchSpec(
-                tokens=args.tokens,
-                vocab=args.vocab,
-                dtype=args.dtype,
-                repeats=args.repeats,
-                chunk_tokens=args.chunk_tokens,
-                threads=args.threads,
-            )
-        ),
-    ),
-    "convert": _BenchCommand(
-        "megatron_rl.bench.convert",
-        "checkpoint conversion both ways vs cp of the same bytes",
-        (
-            (
-                "--layers",
-                {"type": _positive, "default": 24, "help": "layers (24: about 2 GB in bfloat16)"},
-            ),
-            ("--max-shard-mib", {"type": _positive, "default": 5 * 1024}),
-            (
-                "--rounds",
-                {
-                    "type": _positive,
-                    "default": 3,
-                    "help": "rounds of every step (medians reported)",
-                },
-            ),
-            (
-                "--workdir",
-                {"default": "runs/bench/convert-work", "help": "scratch space (removed after)"},
-            ),
-        ),
-        lambda bench, args: bench.run_benchmark(
-            bench.ConvertBenchSpec(num_layers=args.layers, max_shard_mib=args.max_shard_mib),
-            Path(args.workdir),
-            rounds=args.rounds,
-        ),
-    ),
-    "replay": _BenchCommand(
-        "megatron_rl.bench.replay",
-        "training step with R2 routing replay vs without (time and memory)",
-        (
-            (
-                "--layers",
-                {
-                    "type": _positive,
-                    "nargs": "+",
-                    "default": [2, 16],
-                    "help": "model depths to measure",
-                },
-            ),
-            ("--seq", {"type": _positive, "default": 256, "help": "tokens per sequence"}),
-            (
-                "--pairs",
-                {"type": _positive, "default": 20, "help": "timed pairs of steps (one per mode)"},
-            ),
-        ),
-        lambda bench, args: bench.run_benchmark(
-            bench.ReplayBenchSpec(layers=tuple(args.layers), pairs=args.pairs, seq=args.seq)
-        ),
-    ),
-    "sglang": _BenchCommand(
-        "megatron_rl.bench.sglang",
-        "SGLang weight-sync throughput vs memcpy, rollout tokens/s vs the local engine",
-        (
-            (
-                "--recipe",
-                {
-                    "default": "examples/moe/tiny_gspo_sglang.yaml",
-                    "help": "recipe whose model and rollout.sglang settings start the servers",
-                },
-            ),
-            ("--tiny-only", {"action": "store_true", "help": "skip the ~1 GB synthetic model"}),
-            ("--repeats", {"type": _positive, "default": 3, "help": "syncs per method"}),
-            ("--prompts", {"type": _positive, "default": 32, "help": "rollout prompts"}),
-            (
-                "--workdir",
-                {"default": "runs/bench/sglang-work", "help": "scratch space (removed after)"},
-            ),
-        ),
-        lambda bench, args: bench.run_benchmark(
-            bench.SGLangBenchSpec(
-                recipe=args.recipe,
-                include_synthetic=not args.tiny_only,
-                repeats=args.repeats,
-                rollout_prompts=args.prompts,
-            ),
-            Path(args.workdir),
-        ),
-    ),
-}
-
-
-def _bench(args: argparse.Namespace) -> int:
-    command = BENCH_COMMANDS[args.bench]
-    bench = importlib.import_module(command.module)
-    report = command.run(bench, args)
-    print(bench.format_markdown(report))
-    json_path, md_path = bench.write_report(report, Path(args.out))
-    print(f"\nwrote {json_path} and {md_path}")
-    return 0
-
-
-def _add_bench(commands: argparse._SubParsersAction) -> None:
-    bench = commands.add_parser("bench", help="benchmarks (results as JSON and markdown)")
-    benches = bench.add_subparsers(dest="bench", required=True)
-    for name, command in BENCH_COMMANDS.items():
-        parser = benches.add_parser(name, help=command.help)
-        for flag, options in command.options:
-            parser.add_argument(flag, **options)
-        parser.add_argument(
-            "--out", default="runs/bench", help="directory for the JSON and .md report"
-        )
-        parser.set_defaults(handler=_bench)
 
 
 def _layout(args: argparse.Namespace) -> tuple[LaunchEnv, ParallelDims]:
@@ -336,34 +182,36 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
     to_hf.add_argument("--ckpt", required=True, help="megatron-rl checkpoint directory")
     to_hf.add_argument("--out", required=True, help="Hugging Face checkpoint directory")
     to_hf.add_argument(
-        "--max-shard-mib", type=_positive, default=5 * 1024, help="largest safetensors shard"
+        "--max-shard-mib", type=positive_int, default=5 * 1024, help="largest safetensors shard"
     )
     for direction, handler in ((to_mcore, _convert_hf_to_mcore), (to_hf, _convert_mcore_to_hf)):
         for dim in ("tp", "ep", "pp"):
             direction.add_argument(
-                f"--{dim}", type=_positive, default=1, help=f"{dim} size (with torchrun)"
+                f"--{dim}", type=positive_int, default=1, help=f"{dim} size (with torchrun)"
             )
-        direction.add_argument("--etp", type=_positive, default=None, help="expert TP (default tp)")
+        direction.add_argument(
+            "--etp", type=positive_int, default=None, help="expert TP (default tp)"
+        )
         direction.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+        _add_verbose(direction)
         direction.set_defaults(handler=handler)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_losses, _add_bench, _add_convert):
+    for add in (_add_train, _add_losses, add_bench, _add_convert):
         add(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Before the subcommand imports megatron-core, which warns at import.
+    args.known_warnings = WarningRouter(verbose=getattr(args, "verbose", False))
+    args.known_warnings.install()
     try:
         return args.handler(args)
     except ValueError as error:
         print(f"megatron-rl: error: {error}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

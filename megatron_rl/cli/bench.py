@@ -1,0 +1,176 @@
+"""`megatron-rl bench ...`: one table of benchmark subcommands. Each benchmark module has
+`run_benchmark`, `format_markdown` and `write_report`; an entry says which module, its options,
+and how they become the module's spec."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from megatron_rl.cli.arguments import positive_int
+
+
+@dataclass(frozen=True)
+class _BenchCommand:
+    """A `megatron-rl bench` subcommand: its module (with `run_benchmark`, `format_markdown`
+    and `write_report`), its options, and how its arguments run the benchmark."""
+
+    module: str
+    help: str
+    options: tuple[tuple[str, dict[str, Any]], ...]
+    run: Callable[[ModuleType, argparse.Namespace], dict]
+
+
+BENCH_COMMANDS = {
+    "logprobs": _BenchCommand(
+        "megatron_rl.bench.logprobs",
+        "log-probs + entropy forward/backward: chunked kernel vs naive log_softmax",
+        (
+            ("--tokens", {"type": positive_int, "default": 4096, "help": "tokens (default 4096)"}),
+            (
+                "--vocab",
+                {
+                    "type": positive_int,
+                    "default": 151_936,
+                    "help": "vocabulary size (default Qwen3's)",
+                },
+            ),
+            ("--dtype", {"choices": ["bfloat16", "float32"], "default": "bfloat16"}),
+            ("--repeats", {"type": positive_int, "default": 3, "help": "timed repeats"}),
+            (
+                "--chunk-tokens",
+                {"type": positive_int, "default": None, "help": "tokens per chunk (default: auto)"},
+            ),
+            (
+                "--threads",
+                {"type": int, "default": 0, "help": "torch threads (0: torch's default)"},
+            ),
+        ),
+        lambda bench, args: bench.run_benchmark(
+            bench.LogprobBenchSpec(
+                tokens=args.tokens,
+                vocab=args.vocab,
+                dtype=args.dtype,
+                repeats=args.repeats,
+                chunk_tokens=args.chunk_tokens,
+                threads=args.threads,
+            )
+        ),
+    ),
+    "convert": _BenchCommand(
+        "megatron_rl.bench.convert",
+        "checkpoint conversion both ways vs cp of the same bytes",
+        (
+            (
+                "--layers",
+                {
+                    "type": positive_int,
+                    "default": 24,
+                    "help": "layers (24: about 2 GB in bfloat16)",
+                },
+            ),
+            ("--max-shard-mib", {"type": positive_int, "default": 5 * 1024}),
+            (
+                "--rounds",
+                {
+                    "type": positive_int,
+                    "default": 3,
+                    "help": "rounds of every step (medians reported)",
+                },
+            ),
+            (
+                "--workdir",
+                {"default": "runs/bench/convert-work", "help": "scratch space (removed after)"},
+            ),
+        ),
+        lambda bench, args: bench.run_benchmark(
+            bench.ConvertBenchSpec(num_layers=args.layers, max_shard_mib=args.max_shard_mib),
+            Path(args.workdir),
+            rounds=args.rounds,
+        ),
+    ),
+    "replay": _BenchCommand(
+        "megatron_rl.bench.replay",
+        "training step with R2 routing replay vs without (time and memory)",
+        (
+            (
+                "--layers",
+                {
+                    "type": positive_int,
+                    "nargs": "+",
+                    "default": [2, 16],
+                    "help": "model depths to measure",
+                },
+            ),
+            ("--seq", {"type": positive_int, "default": 256, "help": "tokens per sequence"}),
+            (
+                "--pairs",
+                {
+                    "type": positive_int,
+                    "default": 20,
+                    "help": "timed pairs of steps (one per mode)",
+                },
+            ),
+        ),
+        lambda bench, args: bench.run_benchmark(
+            bench.ReplayBenchSpec(layers=tuple(args.layers), pairs=args.pairs, seq=args.seq)
+        ),
+    ),
+    "sglang": _BenchCommand(
+        "megatron_rl.bench.sglang",
+        "SGLang weight-sync throughput vs memcpy, rollout tokens/s vs the local engine",
+        (
+            (
+                "--recipe",
+                {
+                    "default": "examples/moe/tiny_gspo_sglang.yaml",
+                    "help": "recipe whose model and rollout.sglang settings start the servers",
+                },
+            ),
+            ("--tiny-only", {"action": "store_true", "help": "skip the ~1 GB synthetic model"}),
+            ("--repeats", {"type": positive_int, "default": 3, "help": "syncs per method"}),
+            ("--prompts", {"type": positive_int, "default": 32, "help": "rollout prompts"}),
+            (
+                "--workdir",
+                {"default": "runs/bench/sglang-work", "help": "scratch space (removed after)"},
+            ),
+        ),
+        lambda bench, args: bench.run_benchmark(
+            bench.SGLangBenchSpec(
+                recipe=args.recipe,
+                include_synthetic=not args.tiny_only,
+                repeats=args.repeats,
+                rollout_prompts=args.prompts,
+            ),
+            Path(args.workdir),
+        ),
+    ),
+}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    command = BENCH_COMMANDS[args.bench]
+    bench = importlib.import_module(command.module)
+    report = command.run(bench, args)
+    print(bench.format_markdown(report))
+    json_path, md_path = bench.write_report(report, Path(args.out))
+    print(f"\nwrote {json_path} and {md_path}")
+    return 0
+
+
+def add_bench(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks (results as JSON and markdown)")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    for name, command in BENCH_COMMANDS.items():
+        parser = benches.add_parser(name, help=command.help)
+        for flag, options in command.options:
+            parser.add_argument(flag, **options)
+        parser.add_argument(
+            "--out", default="runs/bench", help="directory for the JSON and .md report"
+        )
+        parser.set_defaults(handler=_bench)
