@@ -36,75 +36,86 @@ def _nearest(name: str, valid: list[str]) -> str:
     return f"valid keys: {', '.join(valid)}{hint}"
 
 
+def _choice(value: Any, choices: tuple[Any, ...], key: str) -> Any:
+    if value not in choices:
+        raise ConfigError(f"{key}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def _to_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _to_int(value: Any, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    raise ConfigError(f"{key}: expected an int, got {value!r}")
+
+
+def _to_float(value: Any, key: str) -> float:
+    try:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ValueError
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+
+
+def _to_str(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+
+
+def _to_union(value: Any, options: tuple[Any, ...], key: str) -> Any:
+    """The first of `options` that `value` converts to (None for "none" or "null")."""
+    is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+    if is_none and type(None) in options:
+        return None
+    errors = []
+    for option in options:
+        if option is type(None):
+            continue
+        try:
+            return _convert(value, option, key)
+        except ConfigError as error:
+            errors.append(str(error))
+    raise ConfigError(errors[0] if errors else f"{key}: got {value!r}")
+
+
 def _convert(value: Any, kind: Any, key: str) -> Any:
     """`value` as type `kind` (YAML scalars and override strings alike)."""
-    origin = typing.get_origin(kind)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin is Literal:
-        choices = typing.get_args(kind)
-        if value not in choices:
-            raise ConfigError(
-                f"{key}: expected one of {', '.join(map(repr, choices))}, got {value!r}"
-            )
-        return value
+        return _choice(value, args, key)
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        choices = [member.value for member in kind]
-        if value not in choices:
-            raise ConfigError(
-                f"{key}: expected one of {', '.join(map(repr, choices))}, got {value!r}"
-            )
-        return kind(value)
+        return kind(_choice(value, tuple(member.value for member in kind), key))
     if origin in (types.UnionType, typing.Union):
-        options = typing.get_args(kind)
-        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
-        if is_none and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _convert(value, option, key)
-            except ConfigError as error:
-                errors.append(str(error))
-        raise ConfigError(errors[0] if errors else f"{key}: got {value!r}")
+        return _to_union(value, args, key)
     if dataclasses.is_dataclass(kind):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {kind.__name__} fields, got {value!r}")
         return _build(kind, value, key)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value)
-        raise ConfigError(f"{key}: expected an int, got {value!r}")
-    if kind is float:
-        try:
-            if isinstance(value, bool) or not isinstance(value, int | float | str):
-                raise ValueError
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-    if kind is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
+    if kind in _SCALARS:
+        return _SCALARS[kind](value, key)
     if origin is list:
-        (item,) = typing.get_args(kind)
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_convert(entry, item, f"{key}[{index}]") for index, entry in enumerate(value)]
+        return [_convert(entry, args[0], f"{key}[{index}]") for index, entry in enumerate(value)]
     if origin is dict:
-        key_kind, value_kind = typing.get_args(kind)
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return {
-            _convert(name, key_kind, key): _convert(entry, value_kind, f"{key}.{name}")
+            _convert(name, args[0], key): _convert(entry, args[1], f"{key}.{name}")
             for name, entry in value.items()
         }
     raise ConfigError(f"{key}: unsupported field type {kind!r}")

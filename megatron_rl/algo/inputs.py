@@ -108,6 +108,61 @@ def check_bound(name: str, value: object) -> float:
     return float(value)
 
 
+def _check_mask(mask: object, shape: tuple[int, ...], shard_sum: ShardSum) -> Tensor:
+    mask_t = _require_tensor("mask", mask, "a bool tensor of shape [B, T]")
+    if mask_t.dtype != torch.bool:
+        raise ValueError(f"mask: expected a bool tensor of shape [B, T], got {_describe(mask_t)}")
+    if tuple(mask_t.shape) != shape:
+        raise ValueError(f"mask: expected shape [B, T] = {list(shape)}, got {list(mask_t.shape)}")
+    if not bool(shard_sum(mask_t.sum().to(torch.float32)) > 0):
+        raise ValueError("mask: has no true entry; a policy loss needs at least one response token")
+    return mask_t
+
+
+def _check_segment_ids(segment_ids: object, shape: tuple[int, ...], mask: Tensor) -> Tensor:
+    seg_t = _require_tensor("segment_ids", segment_ids, "a long tensor of shape [B, T]")
+    if seg_t.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"segment_ids: expected an integer (long) tensor of shape [B, T], "
+            f"got {_describe(seg_t)}"
+        )
+    if tuple(seg_t.shape) != shape:
+        raise ValueError(
+            f"segment_ids: expected shape [B, T] = {list(shape)}, got {list(seg_t.shape)}"
+        )
+    on_mask, seq = seg_t[mask], shape[1]
+    if bool(((on_mask < 0) | (on_mask >= seq)).any()):
+        raise ValueError(
+            f"segment_ids: on response tokens ids must lie in [0, T) = [0, {seq}); got values "
+            f"from {int(on_mask.min())} to {int(on_mask.max())}"
+        )
+    return seg_t.long()
+
+
+def _check_one_device(tensors: dict[str, Tensor | None]) -> None:
+    device = tensors["logp"].device
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device != device:
+            raise ValueError(
+                f"{name}: on device {tensor.device}, but logp is on {device}; "
+                "all inputs must share one device"
+            )
+
+
+def _check_finite_values(tensors: dict[str, Tensor | None]) -> None:
+    """Finite log-probs and advantages on response tokens (advantages per sequence: of rows
+    with one), and finite, non-negative entropy."""
+    mask, advantages = tensors["mask"], tensors["advantages"]
+    adv_mask = mask.any(dim=1) if advantages.dim() == 1 else mask
+    for name, where in (("logp", mask), ("old_logp", mask), ("advantages", adv_mask)):
+        _require_finite_on(name, tensors[name], where)
+    entropy = tensors["old_entropy"]
+    if entropy is not None:
+        _require_finite_on("old_entropy", entropy, mask)
+        if bool(((entropy < 0) & mask).any()):
+            raise ValueError("old_entropy: token entropy must be >= 0 on response tokens")
+
+
 def validate_policy_loss_inputs(
     logp: object,
     old_logp: object,
@@ -124,69 +179,23 @@ def validate_policy_loss_inputs(
     if logp_t.dim() != 2:
         raise ValueError(f"logp: expected shape [B, T] (2 dims), got {list(logp_t.shape)}")
     shape = tuple(logp_t.shape)
-    batch, seq = shape
     logp_t = _require_float("logp", logp_t, shape, "[B, T]")
     old_logp_t = _require_float("old_logp", old_logp, shape, "[B, T] like logp")
-
-    mask_t = _require_tensor("mask", mask, "a bool tensor of shape [B, T]")
-    if mask_t.dtype != torch.bool:
-        raise ValueError(f"mask: expected a bool tensor of shape [B, T], got {_describe(mask_t)}")
-    if tuple(mask_t.shape) != shape:
-        raise ValueError(f"mask: expected shape [B, T] = {list(shape)}, got {list(mask_t.shape)}")
-    if not bool(shard_sum(mask_t.sum().to(torch.float32)) > 0):
-        raise ValueError("mask: has no true entry; a policy loss needs at least one response token")
-
+    mask_t = _check_mask(mask, shape, shard_sum)
     adv_t = _require_tensor("advantages", advantages, "a floating-point tensor of shape [B]")
     adv_shape = "[B]" if adv_t.dim() == 1 else "[B, T]"
     adv_t = _require_float(
-        "advantages", adv_t, (batch,) if adv_t.dim() == 1 else shape, f"{adv_shape} (or [B, T])"
+        "advantages", adv_t, shape[:1] if adv_t.dim() == 1 else shape, f"{adv_shape} (or [B, T])"
     )
-
-    seg_t = None
-    if segment_ids is not None:
-        seg_t = _require_tensor("segment_ids", segment_ids, "a long tensor of shape [B, T]")
-        if seg_t.dtype not in (torch.int64, torch.int32):
-            raise ValueError(
-                f"segment_ids: expected an integer (long) tensor of shape [B, T], "
-                f"got {_describe(seg_t)}"
-            )
-        if tuple(seg_t.shape) != shape:
-            raise ValueError(
-                f"segment_ids: expected shape [B, T] = {list(shape)}, got {list(seg_t.shape)}"
-            )
-        on_mask = seg_t[mask_t]
-        if bool(((on_mask < 0) | (on_mask >= seq)).any()):
-            raise ValueError(
-                f"segment_ids: on response tokens ids must lie in [0, T) = [0, {seq}); got values "
-                f"from {int(on_mask.min())} to {int(on_mask.max())}"
-            )
-        seg_t = seg_t.long()
-
+    seg_t = None if segment_ids is None else _check_segment_ids(segment_ids, shape, mask_t)
     entropy_t = None
     if old_entropy is not None:
         entropy_t = _require_float("old_entropy", old_entropy, shape, "[B, T] like logp")
-
     tensors = {"logp": logp_t, "old_logp": old_logp_t, "advantages": adv_t, "mask": mask_t}
     tensors |= {"segment_ids": seg_t, "old_entropy": entropy_t}
-    for name, tensor in tensors.items():
-        if tensor is not None and tensor.device != logp_t.device:
-            raise ValueError(
-                f"{name}: on device {tensor.device}, but logp is on {logp_t.device}; "
-                "all inputs must share one device"
-            )
-
+    _check_one_device(tensors)
     if check_finite:
-        adv_mask = mask_t.any(dim=1) if adv_t.dim() == 1 else mask_t
-        for name, tensor, where in (
-            ("logp", logp_t, mask_t),
-            ("old_logp", old_logp_t, mask_t),
-            ("advantages", adv_t, adv_mask),
-        ):
-            _require_finite_on(name, tensor, where)
-        if entropy_t is not None:
-            _require_finite_on("old_entropy", entropy_t, mask_t)
-            if bool(((entropy_t < 0) & mask_t).any()):
-                raise ValueError("old_entropy: token entropy must be >= 0 on response tokens")
+        _check_finite_values(tensors)
 
     work_dtype = torch.promote_types(logp_t.dtype, torch.float32)
     return PolicyLossBatch(

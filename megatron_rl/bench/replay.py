@@ -27,8 +27,10 @@ import torch
 from megatron_rl.bench.report import allocation_peak, machine, median_interval, now
 from megatron_rl.bench.report import write_report as report_files
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.moe.replay_mode import RoutingReplayMode
 
-MODES = ("none", "r2")
+NONE, R2 = RoutingReplayMode.NONE, RoutingReplayMode.R2
+MODES = (NONE, R2)
 
 
 @dataclass(frozen=True)
@@ -55,61 +57,67 @@ def bench_model(layers: int) -> MoEModelConfig:
     )
 
 
-def run_depth(layers: int, spec: ReplayBenchSpec) -> dict[str, object]:
-    """Both modes on one model depth, in this process: two models with the same weights, one
-    built for replay, stepped in alternating order (ABBA) so that drift hits both alike."""
+def _arms(config: MoEModelConfig) -> tuple[dict, dict]:
+    """Per mode, the DDP-wrapped model (the same weights in both; only R2's built for replay)
+    and its routing replay (None without)."""
     from megatron_rl.models.build import build_gpt_moe
-    from megatron_rl.moe.drift import routing_bytes
     from megatron_rl.moe.replay import RoutingReplay
     from megatron_rl.parallel.dims import ParallelDims
-    from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
-    from megatron_rl.trainer.micro_batch import PolicyMicroBatch
     from megatron_rl.trainer.optimizer import wrap_for_training
-    from megatron_rl.trainer.schedule import (
-        PolicyLossSpec,
-        old_policy_pass,
-        policy_forward_backward,
-    )
 
     dims = ParallelDims(world_size=1)
-    init_distributed(dims, LaunchEnv.from_environ({}))
-    config = bench_model(layers)
-    models = {mode: build_gpt_moe(config, dims, routing_replay=mode == "r2") for mode in MODES}
-    models["r2"].load_state_dict(models["none"].state_dict())
+    models = {mode: build_gpt_moe(config, dims, routing_replay=mode.replays) for mode in MODES}
+    models[R2].load_state_dict(models[NONE].state_dict())
     # one rank and no optimizer: the plain DDP buffers suffice
-    ddps = {
-        mode: wrap_for_training(model, distributed_optimizer=False)
-        for mode, model in models.items()
-    }
-    replays = {"none": None, "r2": RoutingReplay(models["r2"])}
+    ddps = {m: wrap_for_training(model, distributed_optimizer=False) for m, model in models.items()}
+    return ddps, {NONE: None, R2: RoutingReplay(models[R2])}
+
+
+def _micro_batches(spec: ReplayBenchSpec, vocab_size: int) -> list:
+    from megatron_rl.trainer.micro_batch import PolicyMicroBatch
+
     gen = torch.Generator().manual_seed(0)
     shape = (spec.batch, spec.seq)
-    batches = [
+    return [
         PolicyMicroBatch(
-            tokens=torch.randint(0, config.vocab_size, shape, generator=gen),
+            tokens=torch.randint(0, vocab_size, shape, generator=gen),
             loss_mask=torch.ones(shape, dtype=torch.bool),
             old_logp=torch.full(shape, -7.0),
             advantages=torch.randn(spec.batch, generator=gen),
         )
         for _ in range(spec.micro_batches)
     ]
-    loss = PolicyLossSpec("grpo", 0.2, 0.27)
-    # per mode, the micro-batches with the routing its last old pass recorded (R2)
-    recorded: dict[str, list[PolicyMicroBatch]] = {}
 
-    def old_pass(mode: str) -> None:
+
+def run_depth(layers: int, spec: ReplayBenchSpec) -> dict[str, object]:
+    """Both modes on one model depth, in this process: two models with the same weights, one
+    built for replay, stepped in alternating order (ABBA) so that drift hits both alike."""
+    from megatron_rl.moe.drift import routing_bytes
+    from megatron_rl.parallel.dims import ParallelDims
+    from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
+    from megatron_rl.trainer.schedule import (
+        PolicyLossSpec,
+        old_policy_pass,
+        policy_forward_backward,
+    )
+
+    init_distributed(ParallelDims(world_size=1), LaunchEnv.from_environ({}))
+    config = bench_model(layers)
+    ddps, replays = _arms(config)
+    batches, loss = _micro_batches(spec, config.vocab_size), PolicyLossSpec("grpo", 0.2, 0.27)
+    recorded: dict = {}  # per mode, the micro-batches with the routing its last old pass recorded
+
+    def old_pass(mode: RoutingReplayMode) -> None:
         recorded.pop(mode, None)
         computed = old_policy_pass(ddps[mode], batches, replay=replays[mode], record_routing=True)
-        recorded[mode] = [
-            replace(batch, routing=old.routing)
-            for batch, old in zip(batches, computed, strict=True)
-        ]
+        pairs = zip(batches, computed, strict=True)
+        recorded[mode] = [replace(batch, routing=old.routing) for batch, old in pairs]
 
-    def train_pass(mode: str) -> None:
+    def train_pass(mode: RoutingReplayMode) -> None:
         ddps[mode].zero_grad_buffer()
         policy_forward_backward(ddps[mode], recorded[mode], loss, replay=replays[mode])
 
-    def step(mode: str) -> float:
+    def step(mode: RoutingReplayMode) -> float:
         start = time.perf_counter()
         old_pass(mode)
         train_pass(mode)
@@ -124,8 +132,8 @@ def run_depth(layers: int, spec: ReplayBenchSpec) -> dict[str, object]:
         train_peak, _ = allocation_peak(lambda mode=mode: train_pass(mode))
         result[f"allocated_peak_bytes_{mode}"] = max(old_peak, kept + train_peak)
         result[f"kept_after_old_pass_bytes_{mode}"] = kept
-    result["routing_bytes"] = routing_bytes([t for b in recorded["r2"] for t in b.routing])
-    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    result["routing_bytes"] = routing_bytes([t for b in recorded[R2] for t in b.routing])
+    seconds: dict[str, list[float]] = {str(mode): [] for mode in MODES}
     for pair in range(spec.pairs):
         for mode in MODES if pair % 2 == 0 else MODES[::-1]:
             seconds[mode].append(step(mode))

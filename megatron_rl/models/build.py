@@ -7,6 +7,8 @@ available.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -34,6 +36,42 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def _moe_options(
+    model: MoEModelConfig, dispatcher: Dispatcher, routing_replay: bool
+) -> dict[str, Any]:
+    """TransformerConfig's MoE fields: experts, router, dispatcher, replay."""
+    if dispatcher not in ("alltoall", "allgather"):
+        raise ValueError(f"dispatcher: expected 'alltoall' or 'allgather', got {dispatcher!r}")
+    return {
+        "num_moe_experts": model.num_experts,
+        "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
+        "moe_router_topk": model.router_topk,
+        "moe_shared_expert_intermediate_size": model.shared_expert_ffn_hidden_size,
+        "moe_router_score_function": model.router_score_function,
+        "moe_router_pre_softmax": model.router_pre_softmax,
+        "moe_router_load_balancing_type": "aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+        "moe_aux_loss_coeff": model.moe_aux_loss_coeff,
+        "moe_token_dispatcher_type": dispatcher,
+        "moe_enable_routing_replay": routing_replay,
+        "moe_grouped_gemm": False,
+    }
+
+
+def _parallel_options(dims: ParallelDims, recompute: bool) -> dict[str, Any]:
+    """TransformerConfig's layout fields, and activation recomputation."""
+    return {
+        "tensor_model_parallel_size": dims.tp,
+        "pipeline_model_parallel_size": dims.pp,
+        "context_parallel_size": dims.cp,
+        "expert_model_parallel_size": dims.ep,
+        "expert_tensor_parallel_size": dims.etp,
+        "sequence_parallel": bool(dims.sequence_parallel),
+        "recompute_granularity": "full" if recompute else None,
+        "recompute_method": "uniform" if recompute else None,
+        "recompute_num_layers": 1 if recompute else None,
+    }
+
+
 def transformer_config(
     model: MoEModelConfig,
     dims: ParallelDims,
@@ -59,10 +97,7 @@ def transformer_config(
         moe_ffn_hidden_size=model.moe_ffn_hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
     )
-    if dispatcher not in ("alltoall", "allgather"):
-        raise ValueError(f"dispatcher: expected 'alltoall' or 'allgather', got {dispatcher!r}")
     dtype = model.torch_dtype
-    on_gpu = torch.cuda.is_available()
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -70,17 +105,6 @@ def transformer_config(
         num_query_groups=model.num_query_groups,
         kv_channels=model.kv_channels,
         ffn_hidden_size=model.ffn_hidden_size,
-        num_moe_experts=model.num_experts,
-        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
-        moe_router_topk=model.router_topk,
-        moe_shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size,
-        moe_router_score_function=model.router_score_function,
-        moe_router_pre_softmax=model.router_pre_softmax,
-        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
-        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-        moe_token_dispatcher_type=dispatcher,
-        moe_enable_routing_replay=routing_replay,
-        moe_grouped_gemm=False,
         qk_layernorm=model.qk_layernorm,
         layernorm_epsilon=model.norm_eps,
         normalization="RMSNorm",
@@ -94,17 +118,8 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        tensor_model_parallel_size=dims.tp,
-        pipeline_model_parallel_size=dims.pp,
-        context_parallel_size=dims.cp,
-        expert_model_parallel_size=dims.ep,
-        expert_tensor_parallel_size=dims.etp,
-        sequence_parallel=bool(dims.sequence_parallel),
-        use_cpu_initialization=not on_gpu,
+        use_cpu_initialization=not torch.cuda.is_available(),
         calculate_per_token_loss=True,
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
         # Fusions are CUDA kernels; off on CPU, on where TE provides them.
         bias_dropout_fusion=False,
         apply_rope_fusion=use_te,
@@ -112,6 +127,8 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_backend=AttnBackend.auto if use_te else AttnBackend.local,
+        **_moe_options(model, dispatcher, routing_replay),
+        **_parallel_options(dims, recompute),
     )
 
 
