@@ -185,7 +185,7 @@ def checkpoint_round_trip(
     older megatron-rl wrote it), with the distributed or the plain optimizer, load it into a
     fresh policy, take one more update with both; report what differs."""
     from megatron_rl.checkpoint import format as checkpoint_format
-    from megatron_rl.trainer import checkpoints as train_state
+    from megatron_rl.trainer import checkpoints
 
     dims = ParallelDims(world_size=launch.world_size, ep=launch.world_size)
     init_distributed(dims, launch, seed=5)
@@ -196,10 +196,10 @@ def checkpoint_round_trip(
     for _ in range(SAVED_AFTER_UPDATES):
         _one_update(saved, batch)
     # an older writer: both the weights' keys and megatron_rl.json's format field
-    train_state.FORMAT_VERSION = checkpoint_format.FORMAT_VERSION = format_version
-    path = train_state.save_checkpoint(Path(directory), 1, saved, {"seen": 8}, keep=1)
+    checkpoints.FORMAT_VERSION = checkpoint_format.FORMAT_VERSION = format_version
+    path = checkpoints.save_checkpoint(Path(directory), 1, saved, {"seen": 8}, keep=1)
     fresh = Policy(ModelConfig(hf_path=hf_dir), dims, settings)
-    step, trainer = train_state.load_checkpoint(path, fresh)
+    step, trainer = checkpoints.load_checkpoint(path, fresh)
     optimizer = dict(_adam_tensors(saved.optimizer))
     report = {
         "step": step,
