@@ -5,8 +5,10 @@ choice of a temporary directory. `from_rank0` runs a computation there and hands
 result, or its exception. Other work runs everywhere and may fail on one rank only (a shard that
 does not fit, a file one rank cannot read): `raise_together` makes every rank raise the first
 failing rank's exception, so that no rank waits in a collective the failing one never reaches.
-`any_rank` tells every rank whether some rank said yes. Without a process group, or with one
-rank, each simply runs on this process.
+`any_rank` tells every rank whether some rank said yes, and `host_all_reduce` reduces small host
+tensors through whichever device the backend needs. Without a process group, or with one rank,
+each simply runs on this process. Only torch is imported here, so that writing a file
+(`megatron_rl.files`) does not load megatron-core.
 """
 
 from __future__ import annotations
@@ -18,9 +20,28 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from megatron_rl.parallel.distributed import host_all_reduce
-
 T = TypeVar("T")
+
+
+def backend() -> str:
+    """NCCL when CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def host_all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The all-reduce of a small host tensor (counters, metric sums), returned on the host.
+
+    It travels through the device the backend takes: NCCL reduces only CUDA tensors, gloo host
+    ones.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if backend() == "nccl" else None
+    on_device = tensor.to(device) if device is not None else tensor.clone()
+    dist.all_reduce(on_device, op=op, group=group)
+    return on_device.cpu()
 
 
 def _world_size() -> int:

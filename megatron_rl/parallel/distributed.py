@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_rl.parallel import cpu_compat
+from megatron_rl.parallel.collectives import backend
 from megatron_rl.parallel.dims import ParallelDims
 
 DEFAULT_PORT = 29500
@@ -81,27 +82,6 @@ class LaunchEnv:
             master_port=master_port,
             launcher="single",
         )
-
-
-def backend() -> str:
-    """NCCL when CUDA is available, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def host_all_reduce(
-    tensor: torch.Tensor,
-    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """The all-reduce of a small host tensor (counters, metric sums), returned on the host.
-
-    It travels through the device the backend takes: NCCL reduces only CUDA tensors, gloo host
-    ones.
-    """
-    device = torch.device("cuda", torch.cuda.current_device()) if backend() == "nccl" else None
-    on_device = tensor.to(device) if device is not None else tensor.clone()
-    dist.all_reduce(on_device, op=op, group=group)
-    return on_device.cpu()
 
 
 def init_distributed(

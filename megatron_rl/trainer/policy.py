@@ -19,8 +19,8 @@ from megatron_rl.models.hf_weights import HFWeightStream, load_hf_weights, strea
 from megatron_rl.moe.drift import routing_drift
 from megatron_rl.moe.replay import RoutingReplay
 from megatron_rl.moe.replay_mode import RoutingReplayMode
+from megatron_rl.parallel.collectives import host_all_reduce
 from megatron_rl.parallel.dims import ParallelDims
-from megatron_rl.parallel.distributed import host_all_reduce
 from megatron_rl.parallel.stages import from_last_stage, join_stages
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 from megatron_rl.trainer.optimizer import (

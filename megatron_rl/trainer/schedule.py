@@ -24,7 +24,7 @@ from torch import Tensor
 
 from megatron_rl.algo import DEFAULT_LOSS_AGG, compute_policy_loss, policy_loss_denominator
 from megatron_rl.moe.replay import RoutingReplay
-from megatron_rl.parallel.distributed import host_all_reduce
+from megatron_rl.parallel.collectives import host_all_reduce
 from megatron_rl.parallel.logprobs import vocab_parallel_logprobs
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 

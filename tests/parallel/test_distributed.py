@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
+from megatron_rl.parallel.collectives import backend
 from megatron_rl.parallel.dims import ParallelDims
-from megatron_rl.parallel.distributed import LaunchEnv, backend, init_distributed
+from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
 
 
 def test_torchrun_environment():

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.config import ConfigError, check_positive
+from megatron_rl.rollout.sglang.http import RetryPolicy
 
 SyncMethod = Literal["disk", "tensor", "distributed"]
 SYNC_METHODS: tuple[SyncMethod, ...] = ("disk", "tensor", "distributed")
@@ -42,7 +43,7 @@ class SGLangConfig:
     """Environment variables added for the started servers only."""
     startup_timeout_s: float = 300.0
     """Longest wait for a started server to answer /health."""
-    request_deadline_s: float = 120.0
+    request_deadline_s: float = RetryPolicy.deadline_s
     """How long a request that fails transiently (503, refused, timeout) is retried."""
     weight_sync: SyncMethod = "tensor"
     """disk (/update_weights_from_disk), tensor (same host, shared memory) or distributed
