@@ -136,7 +136,6 @@ def policy_forward_backward(
     micro_batches: list[PolicyMicroBatch],
     spec: PolicyLossSpec,
     *,
-    forward_only: bool = False,
     replay: RoutingReplay | None = None,
 ) -> StepResult:
     """Run megatron-core's schedule (1F1B under PP) over `micro_batches` with the policy loss.
@@ -150,7 +149,7 @@ def policy_forward_backward(
         model,
         micro_batches,
         lambda index, held, micro_batch: partial(policy_loss_func, micro_batch, spec),
-        forward_only=forward_only,
+        forward_only=False,
         replay=replay,
     )
     return _global_loss(micro_batches, spec, results)
