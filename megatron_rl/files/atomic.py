@@ -46,13 +46,13 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     return write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def check_output_dir(out: Path, *, overwrite: bool, given_as: str = "--out") -> None:
+def check_output_dir(out: Path, *, overwrite: bool) -> None:
     """Refuse an existing output unless `overwrite`, and a missing parent directory, before any
-    work is done; `given_as` is how the user named `out` (a flag or a recipe key)."""
+    work is done (the conversions' `--out`; the trainer's outputs always have their parent)."""
     if out.exists() and not overwrite:
-        raise ValueError(f"{given_as} {out}: already exists; pass --overwrite to replace it")
+        raise ValueError(f"--out {out}: already exists; pass --overwrite to replace it")
     if not out.parent.is_dir():
-        raise ValueError(f"{given_as} {out}: parent directory {out.parent} does not exist")
+        raise ValueError(f"--out {out}: parent directory {out.parent} does not exist")
 
 
 def publish(staging: Path, out: Path) -> None:
@@ -66,8 +66,8 @@ def publish(staging: Path, out: Path) -> None:
         os.replace(staging, out)
 
 
-def _fresh_staging(out: Path, overwrite: bool, given_as: str) -> Path:
-    check_output_dir(out, overwrite=overwrite, given_as=given_as)
+def _fresh_staging(out: Path, overwrite: bool) -> Path:
+    check_output_dir(out, overwrite=overwrite)
     staging = out.parent / f".{out.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while writing
     staging.mkdir()
@@ -75,9 +75,7 @@ def _fresh_staging(out: Path, overwrite: bool, given_as: str) -> Path:
 
 
 @contextmanager
-def staged_directory(
-    out: Path, *, overwrite: bool, collective: bool = False, given_as: str = "--out"
-) -> Iterator[Path]:
+def staged_directory(out: Path, *, overwrite: bool, collective: bool = False) -> Iterator[Path]:
     """A staging directory that becomes `out` when the block completes, and is removed when it
     raises (see the module docstring). `overwrite` allows replacing an existing `out`.
 
@@ -86,7 +84,7 @@ def staged_directory(
     rank has completed its block.
     """
     if not collective:
-        staging = _fresh_staging(out, overwrite, given_as)
+        staging = _fresh_staging(out, overwrite)
         try:
             yield staging
         except BaseException:
@@ -94,7 +92,7 @@ def staged_directory(
             raise
         publish(staging, out)
         return
-    staging = from_rank0(lambda: _fresh_staging(out, overwrite, given_as))
+    staging = from_rank0(lambda: _fresh_staging(out, overwrite))
     failed = True
     try:
         yield staging
