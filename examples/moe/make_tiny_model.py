@@ -4,7 +4,7 @@ supervised training on worked solutions of the built-in arithmetic task from a s
     python examples/moe/make_tiny_model.py --out examples/moe/tiny_qwen3_moe
 
 Steps: build a character-level tokenizer over the task's alphabet; initialise a 4-layer,
-8-expert, top-2 Qwen3-MoE at random (seeded); train it on (prompt, worked solution) pairs of
+8-expert, top-2 Qwen3-MoE (other shapes: --layers, --experts, --topk) at random (seeded); train it on (prompt, worked solution) pairs of
 the task's train split, with the loss on the solution only.
 
 The teacher is sloppy in one systematic way: in a step that carries (an addition whose units
@@ -57,18 +57,20 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def model_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3MoeConfig:
+def model_config(
+    tokenizer: PreTrainedTokenizerFast, *, layers: int = 4, experts: int = 8, topk: int = 2
+) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
         moe_intermediate_size=96,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
+        num_experts=experts,
+        num_experts_per_tok=topk,
         norm_topk_prob=True,
         max_position_embeddings=128,
         rope_theta=10000.0,
@@ -144,6 +146,10 @@ def main() -> None:
     parser.add_argument("--slip-prob", type=float, default=0.8)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--eval-problems", type=int, default=200)
+    # Other shapes, e.g. the drift harness's depth and expert sweeps (megatron-rl bench drift).
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
     args = parser.parse_args()
     if args.out.exists():
         raise SystemExit(f"--out {args.out}: already exists; remove it or choose another path")
@@ -151,7 +157,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     task = ArithmeticTask()
     tokenizer = char_tokenizer()
-    model = Qwen3MoeForCausalLM(model_config(tokenizer))
+    shape = {"layers": args.layers, "experts": args.experts, "topk": args.topk}
+    model = Qwen3MoeForCausalLM(model_config(tokenizer, **shape))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = 50
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))

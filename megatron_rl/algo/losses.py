@@ -348,8 +348,9 @@ def compute_policy_loss(
     Returns:
         The scalar loss to minimise, `-sum(w * obj) / denominator`, and a dict of detached metric
         tensors: `clip_frac/{token,seq,low,high}`, `ratio/{mean,max,min}` (at the loss's unit),
-        `log_ratio/abs_max`, `kl/k3` (mean of exp(d) - 1 - d, an estimate of KL(old || new)),
-        `log_ratio/frac_tau{2,5}` (share of tokens whose ratio exceeds tau or 1/tau),
+        `log_ratio/abs_max`, `log_ratio/std` (of the token log-ratios d), `kl/k3` (mean of
+        exp(d) - 1 - d, an estimate of KL(old || new)), `log_ratio/frac_tau{1.25,2,5}` (share of
+        tokens whose ratio exceeds tau or 1/tau),
         `loss/denominator`, and loss-specific ones (sspo: `clip_frac/segment`, `segments/per_seq`).
     """
     spec = get_policy_loss(name)
@@ -411,6 +412,7 @@ def _metrics(batch: PolicyLossBatch, result: TokenObjective) -> dict[str, Tensor
         "ratio/max": torch.where(valid, values, -inf).max(),
         "ratio/min": torch.where(valid, values, inf).min(),
         "log_ratio/abs_max": log_ratio.abs().max(),
+        "log_ratio/std": _masked_std(log_ratio, mask, num_tokens),
         "kl/k3": k3.sum() / num_tokens,
         **{
             f"log_ratio/frac_tau{tau}": extreme_token_frac(log_ratio, mask, tau)
@@ -418,3 +420,10 @@ def _metrics(batch: PolicyLossBatch, result: TokenObjective) -> dict[str, Tensor
         },
         **{key: value.detach() for key, value in result.extra_metrics.items()},
     }
+
+
+def _masked_std(values: Tensor, mask: Tensor, count: Tensor) -> Tensor:
+    """Population std of `values` `[B, T]` over the tokens of `mask` (0 with none)."""
+    count = count.clamp(min=1)
+    mean = torch.where(mask, values, 0).sum() / count
+    return (torch.where(mask, (values - mean) ** 2, 0).sum() / count).sqrt()

@@ -163,6 +163,45 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drift(args: argparse.Namespace) -> int:
+    from megatron_rl.bench.drift import run_drift_benchmark
+
+    report = run_drift_benchmark(
+        args.recipe,
+        args.grid,
+        Path(args.out),
+        jobs=args.jobs,
+        models_dir=Path(args.models_dir),
+        rerun_crashed=args.rerun_crashed,
+        overrides=args.overrides,
+    )
+    print(f"wrote {report}")
+    return 0
+
+
+def _add_drift(benches: argparse._SubParsersAction) -> None:
+    parser = benches.add_parser(
+        "drift",
+        help="routing drift and stability: GRPO + replay vs GSPO and the others, over a grid",
+        description="Run a grid of arms x sweep points x seeds of RECIPE (resumable) and write "
+        "summary.csv, plots and report.md with the claims checked (docs/drift.md).",
+    )
+    parser.add_argument("recipe", help="base recipe, e.g. examples/moe/tiny_gspo.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides of the recipe")
+    parser.add_argument("--grid", default=None, help="grid file (default: the built-in grid)")
+    parser.add_argument("--out", default="runs/bench/drift", help="results directory")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="runs at once (1 thread each)")
+    parser.add_argument(
+        "--models-dir",
+        default="runs/bench/drift-models",
+        help="cache of the base models of other shapes",
+    )
+    parser.add_argument(
+        "--rerun-crashed", action="store_true", help="run crashed runs again (done ones never)"
+    )
+    parser.set_defaults(handler=_drift)
+
+
 def add_bench(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks (results as JSON and markdown)")
     benches = bench.add_subparsers(dest="bench", required=True)
@@ -174,3 +213,4 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
             "--out", default="runs/bench", help="directory for the JSON and .md report"
         )
         parser.set_defaults(handler=_bench)
+    _add_drift(benches)

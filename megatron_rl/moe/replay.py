@@ -24,11 +24,19 @@ forward switches back. After a step, `finish()` checks that every recorded entry
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
+
+
+class ObservedRouting(NamedTuple):
+    """One forward's routing, per MoE layer `[tokens, topk]` expert indices."""
+
+    free: list[Tensor]  # what the routers' current weights choose
+    used: list[Tensor]  # what the forward used (under replay: the replayed experts)
 
 
 class RoutingReplay:
@@ -116,14 +124,15 @@ class RoutingReplay:
             )
         return loaded
 
-    def observe_free_routing(self) -> Callable[[], list[Tensor]]:
-        """Watch what the routers would choose without replay, at the cost of one small matmul
-        per layer (no extra forward). Returns a function that removes the hooks and gives the
-        last forward's free routing per layer, `[tokens, topk]`."""
-        seen: dict[int, Tensor] = {}
+    def observe_routing(self) -> Callable[[], ObservedRouting]:
+        """Watch each router's next forward: what it would choose without replay, at the cost
+        of one small matmul per layer (no extra forward), and what it used (its routing map).
+        Returns a function that removes the hooks and gives the last forward's routing."""
+        free: dict[int, Tensor] = {}
+        used: dict[int, Tensor] = {}
 
         def watch(layer: int) -> Callable:
-            def hook(router: TopKRouter, inputs: tuple, output: object) -> None:
+            def hook(router: TopKRouter, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
                 hidden = inputs[0].detach()
                 logits = torch.nn.functional.linear(
                     hidden.reshape(-1, hidden.shape[-1]).to(router.weight.dtype),
@@ -134,7 +143,9 @@ class RoutingReplay:
                     scores = torch.sigmoid(logits.float())
                     if router.expert_bias is not None:
                         scores = scores + router.expert_bias
-                seen[layer] = torch.topk(scores, k=router.topk, dim=-1).indices
+                free[layer] = torch.topk(scores, k=router.topk, dim=-1).indices
+                routing_map = output[1].detach()  # [tokens, experts] bool, top-k set per row
+                used[layer] = routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1)
 
             return hook
 
@@ -142,9 +153,10 @@ class RoutingReplay:
             router.register_forward_hook(watch(layer)) for layer, router in enumerate(self.routers)
         ]
 
-        def stop() -> list[Tensor]:
+        def stop() -> ObservedRouting:
             for handle in handles:
                 handle.remove()
-            return [seen[layer] for layer in range(len(self.routers))]
+            layers = range(len(self.routers))
+            return ObservedRouting([free[i] for i in layers], [used[i] for i in layers])
 
         return stop

@@ -61,6 +61,8 @@ def learn(
         updates = [policy.update(minibatch, spec, mode) for minibatch in minibatches]
     if not needs_forward and not updates[0].skipped:
         metrics |= _mismatch_from_first_update(updates[0])
+    if mode.uses_engine_routing and not updates[0].skipped:
+        metrics |= _engine_routing_mismatch(updates[0])
     return metrics | {"optim/lr": policy.learning_rate} | _update_metrics(updates)
 
 
@@ -146,6 +148,16 @@ def _mismatch_from_first_update(first: UpdateResult) -> dict[str, float]:
     }
     return {
         ours: first.metrics[theirs] for theirs, ours in names.items() if theirs in first.metrics
+    }
+
+
+def _engine_routing_mismatch(first: UpdateResult) -> dict[str, float]:
+    """Under R3 the first update's drift (before any optimizer step, from the engine's routing)
+    is how far the trainer's routers disagree with the engine's: `routing/engine_mismatch_*`."""
+    return {
+        f"routing/engine_mismatch_{unit}": first.metrics[f"routing/drift_{unit}"]
+        for unit in ("token_layer", "token_any")
+        if f"routing/drift_{unit}" in first.metrics
     }
 
 

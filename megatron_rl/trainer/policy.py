@@ -17,7 +17,7 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.models.hf_source import inspect_hf
 from megatron_rl.models.hf_weights import HFWeightStream, load_hf_weights, stream_hf_weights
 from megatron_rl.moe.drift import routing_drift
-from megatron_rl.moe.replay import RoutingReplay
+from megatron_rl.moe.replay import ObservedRouting, RoutingReplay
 from megatron_rl.moe.replay_mode import RoutingReplayMode
 from megatron_rl.parallel.collectives import host_all_reduce
 from megatron_rl.parallel.dims import ParallelDims
@@ -111,7 +111,8 @@ class Policy:
     ) -> UpdateResult:
         """One optimizer step on the minibatch made of `micro_batches` (all DP ranks together),
         replaying their `routing` when `mode` replays. When they carry routing (recorded or
-        replayed) the metrics include how far the routers' free choice has drifted from it.
+        replayed) the metrics include how far the routers' free choice has drifted from it,
+        and under replay how often the forward used other experts than the replayed ones.
 
         A non-finite loss or gradient norm skips the step (gradients are dropped) and says so.
         """
@@ -120,9 +121,11 @@ class Policy:
         replaying = self._replay_for(mode, "an update") if mode.replays else None
         watch = None
         if self.replay is not None and micro_batches[-1].routing is not None:
-            watch = self.replay.observe_free_routing()
+            watch = self.replay.observe_routing()
         result = policy_forward_backward(self.model, micro_batches, spec, replay=replaying)
-        drift = {} if watch is None else _replay_drift(micro_batches[-1], watch())
+        drift = {}
+        if watch is not None:
+            drift = _replay_drift(micro_batches[-1], watch(), replaying=replaying is not None)
         # The optimizer reads `main_grad` only after prepare_grads; norm first, so that a
         # non-finite gradient is caught before it reaches the weights.
         self.optimizer.prepare_grads()
@@ -187,18 +190,33 @@ def metric_reduction(key: str) -> Literal["max", "min", "mean"]:
     return "mean"
 
 
-def _replay_drift(micro_batch: PolicyMicroBatch, free: list[Tensor]) -> dict[str, float]:
-    """How far the routing the current weights would choose has drifted from the replayed one
-    (the old policy's, R2, or the engine's, R3): this rank's last micro-batch, every layer (all
-    pipeline stages), response tokens (all tokens under sequence parallelism, whose slices the
-    mask does not follow)."""
-    device = free[0].device  # the model's (R3's replayed routing comes from the host)
+def _replay_drift(
+    micro_batch: PolicyMicroBatch, observed: ObservedRouting, *, replaying: bool
+) -> dict[str, float]:
+    """How far the routing the current weights would choose has drifted from the recorded or
+    replayed one (the old policy's, R2, or the engine's, R3), and when `replaying`, the share of
+    (token, layer) pairs where the forward used other experts than the replayed ones
+    (`routing/replay_miss_token_layer`; 0 when replay works): this rank's last micro-batch,
+    every layer (all pipeline stages), response tokens (all tokens under sequence parallelism,
+    whose slices the mask does not follow)."""
+    device = observed.free[0].device  # the model's (R3's replayed routing comes from the host)
     replayed = join_stages(torch.stack(micro_batch.routing, 1).to(device), dim=1)
-    chosen = join_stages(torch.stack(free, 1).to(replayed.dtype), dim=1)
     # Routers see tokens sequence-major: position, then row.
     mask = micro_batch.loss_mask.transpose(0, 1).reshape(-1).to(device)
-    drift = routing_drift(replayed, chosen, mask if mask.numel() == len(replayed) else None)
-    return {f"routing/{key.replace('/', '_')}": float(value) for key, value in drift.items()}
+    mask = mask if mask.numel() == len(replayed) else None
+
+    def drift_from_replayed(routing: list[Tensor]) -> dict[str, Tensor]:
+        chosen = join_stages(torch.stack(routing, 1).to(replayed.dtype), dim=1)
+        return routing_drift(replayed, chosen, mask)
+
+    metrics = {
+        f"routing/{key.replace('/', '_')}": float(value)
+        for key, value in drift_from_replayed(observed.free).items()
+    }
+    if replaying:
+        miss = drift_from_replayed(observed.used)["drift/token_layer"]
+        metrics["routing/replay_miss_token_layer"] = float(miss)
+    return metrics
 
 
 def _average_metrics(per_micro_batch: list[dict[str, Tensor]]) -> dict[str, float]:

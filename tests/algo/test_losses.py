@@ -476,6 +476,8 @@ def test_metrics_are_detached_tensors_with_namespaced_keys():
             "ratio/min",
             "log_ratio/abs_max",
             "kl/k3",
+            "log_ratio/std",
+            "log_ratio/frac_tau1.25",
             "log_ratio/frac_tau2",
             "log_ratio/frac_tau5",
             "loss/denominator",
@@ -488,6 +490,8 @@ def test_metrics_are_detached_tensors_with_namespaced_keys():
         assert float(metrics["ratio/mean"]) <= float(metrics["ratio/max"])
         assert float(metrics["kl/k3"]) >= 0
         assert 0 <= float(metrics["log_ratio/frac_tau5"]) <= float(metrics["log_ratio/frac_tau2"])
+        assert float(metrics["log_ratio/frac_tau2"]) <= float(metrics["log_ratio/frac_tau1.25"])
+        assert float(metrics["log_ratio/std"]) >= 0
 
 
 def test_extreme_token_fraction_counts_ratios_beyond_tau_either_way():
@@ -497,3 +501,14 @@ def test_extreme_token_fraction_counts_ratios_beyond_tau_either_way():
     assert float(extreme_token_frac(log_ratio, mask, 2)) == pytest.approx(3 / 4)
     assert float(extreme_token_frac(log_ratio, mask, 5)) == pytest.approx(1 / 4)
     assert float(extreme_token_frac(log_ratio, torch.zeros_like(mask), 2)) == 0.0
+
+
+def test_log_ratio_std_is_over_response_tokens_only():
+    logp = torch.tensor([[0.1, -0.2, 0.4, 5.0], [0.3, 0.0, 0.0, 0.0]])
+    old = torch.zeros(2, 4)
+    mask = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    _, metrics = compute_policy_loss(
+        "grpo", logp, old, torch.ones(2), mask, clip_low=0.2, clip_high=0.2
+    )
+    expected = torch.tensor([0.1, -0.2, 0.4, 0.3]).std(unbiased=False)
+    assert float(metrics["log_ratio/std"]) == pytest.approx(float(expected), rel=1e-6)

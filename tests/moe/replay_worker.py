@@ -32,28 +32,6 @@ def _stack(routing: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(routing, dim=1)
 
 
-def _used_routing(model: torch.nn.Module):
-    """Capture the experts each router actually used (from its routing map), per layer."""
-    seen = {}
-    routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
-
-    def hook(layer):
-        def capture(module, inputs, output):
-            routing_map = output[1]
-            seen[layer] = routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1)
-
-        return capture
-
-    handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(routers)]
-
-    def stop():
-        for handle in handles:
-            handle.remove()
-        return [seen[i] for i in range(len(routers))]
-
-    return stop
-
-
 def _perturb_routers(model: torch.nn.Module, seed: int = 7) -> None:
     """A large update of the router weights: routing changes for many tokens."""
     gen = torch.Generator().manual_seed(seed)
@@ -89,10 +67,9 @@ def r2_matches_forced_routing(launch: LaunchEnv) -> dict:
     old_routing = batch.routing
     _perturb_routers(model)
 
-    stop_free = replay.observe_free_routing()
-    stop_used = _used_routing(model)
+    stop = replay.observe_routing()
     replayed = policy_forward_backward(ddp, [batch], GRPO, replay=replay)
-    free, used = stop_free(), stop_used()
+    free, used = stop()
     grads = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}
 
     # reference: same weights, routing forced by replacing the routers' routing function
@@ -155,9 +132,9 @@ def replay_at_layout(launch: LaunchEnv, layout: dict) -> dict:
     batches = _record(ddp, replay, micro_batches(count=2))
     recorded = batches[-1].routing
     _perturb_routers(model)
-    stop_free, stop_used = replay.observe_free_routing(), _used_routing(model)
+    stop = replay.observe_routing()
     step = policy_forward_backward(ddp, batches, GRPO, replay=replay)
-    free, used = stop_free(), stop_used()  # the last micro-batch's forward
+    free, used = stop()  # the last micro-batch's forward
     return {
         "drift_used": float(routing_drift(_stack(recorded), _stack(used))["drift/token_layer"]),
         "drift_free": float(routing_drift(_stack(recorded), _stack(free))["drift/token_layer"]),
@@ -192,9 +169,9 @@ def r3_round_trip(launch: LaunchEnv) -> dict:
     )
     batch = replace(batch, routing=router_order(routing))
     _perturb_routers(model)
-    stop_used = _used_routing(model)
+    stop = replay.observe_routing()
     policy_forward_backward(ddp, [batch], GRPO, replay=replay)
-    used = stop_used()
+    used = stop().used
     expected = _stack(batch.routing)
     return {
         "drift_used": float(routing_drift(expected, _stack(used))["drift/token_layer"]),

@@ -66,6 +66,14 @@ def test_each_loss_runs_end_to_end(tmp_path, loss, replay):
     # 4 layers x top-2 int64 indices per token of the step's micro-batches.
     assert metrics[2]["routing/record_bytes"] > 0
     assert metrics[2]["routing/record_bytes"] % (4 * 2 * 8) == 0
+    # Replay forces the replayed experts exactly; without it there is nothing to miss.
+    replays = replay != "none"
+    assert metrics[2].get("routing/replay_miss_token_layer") == (0.0 if replays else None)
+    # R3: the trainer's routers against the engine's, before the first optimizer step.
+    mismatch = metrics[2].get("routing/engine_mismatch_token_layer")
+    assert (mismatch is not None) == (replay == "r3")
+    assert metrics[2]["log_ratio/std"] >= 0
+    assert metrics[2]["log_ratio/frac_tau1.25"] >= metrics[2]["log_ratio/frac_tau2"]
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step_000002"
 

@@ -1,0 +1,34 @@
+"""`megatron-rl bench drift`: GRPO + routing replay against GSPO without it (and the other
+losses) over a grid of arms x sweep points x seeds, with the literature's claims checked.
+
+grid.py plans the runs from a recipe and a grid file; base_models.py builds models of other
+shapes; runner.py runs them (resumable, in parallel); summary.py turns each run's metrics into a
+row and counts collapse events; claims.py checks the claims on the rows; report.py writes
+summary.csv, the plots and report.md. docs/drift.md says how to read and run it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_rl.bench.drift.grid import load_grid
+from megatron_rl.bench.drift.runner import run_grid
+
+
+def run_drift_benchmark(
+    recipe: str,
+    grid_file: str | None,
+    out: Path,
+    *,
+    jobs: int,
+    models_dir: Path,
+    rerun_crashed: bool = False,
+    overrides: list[str] = (),
+) -> Path:
+    """Run the grid's runs that have not ended, then write the report; returns report.md."""
+    grid = load_grid(recipe, grid_file, list(overrides))
+    print(f"drift grid: {len(grid.runs)} runs into {out}", flush=True)
+    run_grid(grid, out, jobs=jobs, models_dir=models_dir, rerun_crashed=rerun_crashed)
+    from megatron_rl.bench.drift.report import write_report  # matplotlib: only when reporting
+
+    return write_report(grid, out)

@@ -1,0 +1,300 @@
+"""Running a drift grid: one `megatron-rl train` process per run, up to `jobs` at once.
+
+The results directory holds `grid.json` (what the grid and recipe were: another grid is refused)
+and `runs/RUN_ID/` per run: `recipe.yaml` (the run's whole recipe), `metrics.jsonl`,
+`train.log` and, when the process has ended, `status.json` (done or crashed, with the error).
+A run with a status is not run again, except a crashed one with `rerun_crashed`; a run that was
+interrupted (no status) starts afresh. Every process is started in its own session and stopped
+by its PID (its process group) if the grid is interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from megatron_rl.bench.drift import base_models
+from megatron_rl.bench.drift.grid import DriftGrid, GridError, PlannedRun, recipe_for
+from megatron_rl.files.atomic import write_text_atomic
+
+DONE, CRASHED = "done", "crashed"
+
+
+def run_dir(out: Path, run: PlannedRun) -> Path:
+    return out / "runs" / run.run_id
+
+
+def read_status(out: Path, run: PlannedRun) -> dict[str, Any] | None:
+    """The run's `status.json`, or None while it has not ended."""
+    path = run_dir(out, run) / "status.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_results_dir(out: Path, grid: DriftGrid) -> None:
+    """Claim `out` for `grid`, or refuse it if it holds another grid's results."""
+    path, identity = out / "grid.json", grid.identity()
+    if path.is_file():
+        held = json.loads(path.read_text())
+        difference = _first_difference(held, identity)
+        if difference is not None:
+            raise GridError(
+                f"--out {out}: holds the results of another grid or recipe ({difference}); "
+                "choose another --out, or remove it to start over"
+            )
+        return
+    if out.exists() and any(out.iterdir()):
+        raise GridError(f"--out {out}: not empty and not a drift results directory (no grid.json)")
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(identity, indent=1, sort_keys=True) + "\n")
+
+
+@dataclass
+class _Task:
+    """A process to run: a base-model build or a training run."""
+
+    name: str
+    command: list[str]
+    log: Path
+    is_build: bool
+    needs: str | None  # the build it waits for
+    prepare: Callable[[], None]
+    finish: Callable[[int, float, str], None]  # return code, seconds, error line
+
+
+def run_grid(
+    grid: DriftGrid,
+    out: Path,
+    *,
+    jobs: int,
+    models_dir: Path,
+    rerun_crashed: bool = False,
+    progress: Callable[[str], None] = print,
+) -> None:
+    """Run every run of `grid` that has not ended yet (and crashed ones with `rerun_crashed`)."""
+    check_results_dir(out, grid)
+    pending = []
+    for run in grid.runs:
+        status = read_status(out, run)
+        if status is None or (rerun_crashed and status["state"] == CRASHED):
+            pending.append(run)
+    skipped = len(grid.runs) - len(pending)
+    if skipped:
+        progress(f"{skipped} of {len(grid.runs)} runs already ended; running {len(pending)}")
+    failed_builds: dict[str, str] = {}
+    tasks = _build_tasks(pending, models_dir, failed_builds)
+    tasks += [_run_task(grid, out, run, models_dir, failed_builds) for run in pending]
+    _Scheduler(tasks, jobs, threads=grid.threads, progress=progress).run(total_runs=len(pending))
+
+
+def _build_tasks(runs: list[PlannedRun], models_dir: Path, failed: dict[str, str]) -> list[_Task]:
+    shapes = {base_models.shape_name(r.shape): r.shape for r in runs if r.shape is not None}
+    tasks = []
+    for name, shape in shapes.items():
+        if base_models.is_built(models_dir, shape):
+            continue
+        models_dir.mkdir(parents=True, exist_ok=True)
+
+        def finish(code: int, seconds: float, error: str, name: str = name) -> None:
+            if code != 0:
+                failed[name] = f"building base model {name} failed ({error})"
+
+        tasks.append(
+            _Task(
+                name=f"build {name}",
+                command=base_models.build_command(models_dir, shape),
+                log=models_dir / f"{name}.log",
+                is_build=True,
+                needs=None,
+                prepare=lambda: None,
+                finish=finish,
+            )
+        )
+    return tasks
+
+
+def _run_task(
+    grid: DriftGrid, out: Path, run: PlannedRun, models_dir: Path, failed: dict[str, str]
+) -> _Task:
+    directory = run_dir(out, run)
+    recipe_path = directory / "recipe.yaml"
+    build = None if run.shape is None else base_models.shape_name(run.shape)
+    launcher = grid.launcher or [sys.executable]
+
+    def prepare() -> None:
+        if build in failed:
+            raise _NotStarted(failed[build])
+        shutil.rmtree(directory, ignore_errors=True)  # an interrupted attempt starts afresh
+        directory.mkdir(parents=True)
+        model = None if run.shape is None else base_models.model_path(models_dir, run.shape)
+        recipe = recipe_for(grid, run, model)
+        tree = json.loads(json.dumps(dataclasses.asdict(recipe)))  # enums as their values
+        tree["run"]["dir"] = str(directory)
+        write_text_atomic(recipe_path, yaml.safe_dump(tree, sort_keys=False))
+
+    def finish(code: int, seconds: float, error: str) -> None:
+        status = {
+            "state": DONE if code == 0 else CRASHED,
+            "returncode": code,
+            "seconds": round(seconds, 1),
+            "error": "" if code == 0 else error,
+        }
+        write_text_atomic(directory / "status.json", json.dumps(status, indent=1) + "\n")
+
+    return _Task(
+        name=run.run_id,
+        command=[*launcher, "-m", "megatron_rl.cli", "train", str(recipe_path)],
+        log=directory / "train.log",
+        is_build=False,
+        needs=None if build is None else f"build {build}",
+        prepare=prepare,
+        finish=finish,
+    )
+
+
+class _NotStarted(RuntimeError):
+    """A task that cannot start (its base model failed to build)."""
+
+
+class _Scheduler:
+    """Up to `jobs` processes at once, each in its own session, one progress line per ending."""
+
+    def __init__(
+        self, tasks: list[_Task], jobs: int, *, threads: int, progress: Callable[[str], None]
+    ) -> None:
+        self.waiting, self.jobs, self.progress = list(tasks), jobs, progress
+        self.running: list[tuple[_Task, subprocess.Popen, IO[bytes], float]] = []
+        self.unfinished_builds = {task.name for task in tasks if task.is_build}
+        self.env = os.environ | {
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.started = time.monotonic()
+        self.finished_runs = 0
+
+    def run(self, *, total_runs: int) -> None:
+        self.total_runs = total_runs
+        try:
+            while self.waiting or self.running:
+                self._start_ready()
+                self._reap()
+                time.sleep(0.2)
+        finally:
+            self._stop_all()
+
+    def _start_ready(self) -> None:
+        for task in list(self.waiting):
+            if len(self.running) >= self.jobs:
+                return
+            if task.needs in self.unfinished_builds:
+                continue
+            self.waiting.remove(task)
+            try:
+                task.prepare()
+            except _NotStarted as error:
+                task.finish(1, 0.0, str(error))
+                self._report(task, 1, 0.0, str(error))
+                continue
+            log = task.log.open("wb")
+            process = subprocess.Popen(
+                task.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+            self.running.append((task, process, log, time.monotonic()))
+
+    def _reap(self) -> None:
+        for entry in list(self.running):
+            task, process, log, began = entry
+            code = process.poll()
+            if code is None:
+                continue
+            self.running.remove(entry)
+            log.close()
+            seconds = time.monotonic() - began
+            error = "" if code == 0 else _error_line(task.log)
+            task.finish(code, seconds, error)
+            self.unfinished_builds.discard(task.name)
+            self._report(task, code, seconds, error)
+
+    def _report(self, task: _Task, code: int, seconds: float, error: str) -> None:
+        if task.is_build:
+            state = "built" if code == 0 else f"FAILED: {error}"
+            self.progress(f"{task.name}: {state} in {seconds:.0f} s")
+            return
+        self.finished_runs += 1
+        left = self.total_runs - self.finished_runs
+        elapsed = time.monotonic() - self.started
+        eta = elapsed / self.finished_runs * left
+        state = DONE if code == 0 else f"CRASHED ({error})"
+        self.progress(
+            f"[{self.finished_runs}/{self.total_runs}] {task.name}: {state} in {seconds:.0f} s; "
+            f"ETA {_duration(eta)}"
+        )
+
+    def _stop_all(self) -> None:
+        """Stop whatever still runs (the grid was interrupted): SIGTERM to each process group
+        we started, SIGKILL after 20 s."""
+        for _, process, _, _ in self.running:
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for _, process, log, _ in self.running:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+            log.close()
+        self.running.clear()
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signum)  # the session we started it in: its pid is the group's
+
+
+def _error_line(log: Path) -> str:
+    """The most telling line of a failed run's log: its last error message."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or line.startswith("megatron-rl:"):
+            return line[:500]
+    return lines[-1][:500] if lines else "no output"
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
+
+
+def _first_difference(held: Any, wanted: Any, path: str = "") -> str | None:
+    """Where two JSON trees first differ, as `key: held vs wanted`."""
+    if isinstance(held, dict) and isinstance(wanted, dict):
+        for key in sorted(set(held) | set(wanted)):
+            where = f"{path}.{key}" if path else key
+            if key not in held or key not in wanted:
+                return f"{where}: only in {'the results' if key in held else 'this grid'}"
+            found = _first_difference(held[key], wanted[key], where)
+            if found is not None:
+                return found
+        return None
+    if held != wanted:
+        if isinstance(held, str) and "\n" in held:
+            return f"{path}: the file's text differs"
+        return f"{path}: {held!r} in the results vs {wanted!r} now"
+    return None

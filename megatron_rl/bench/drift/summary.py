@@ -1,0 +1,168 @@
+"""One summary row per run of a drift grid, from its `metrics.jsonl` and `status.json`, and the
+collapse events, computed the same way for every arm.
+
+A **collapse event** is one of:
+- `nonfinite`: a step whose loss or gradient was not finite (its updates were skipped), or a run
+  the trainer aborted for too many of them;
+- `accuracy`: held-out accuracy falls more than `ACCURACY_DROP` below the best so far and is
+  still that far below after `RECOVERY_EVALS` more evaluations (or at the run's end, if fewer
+  remain). 0.15 is 2.5 standard errors of an accuracy near 0.6 on 64 held-out problems: noise
+  alone rarely makes it, a lasting fall does. Counted once per fall;
+- `reward`: the mean sampled reward at or below `REWARD_FLOOR` on `REWARD_FLOOR_STEPS`
+  consecutive steps (the policy has stopped producing right answers). Counted once per stretch.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.bench.drift.grid import DriftGrid, recipe_for
+from megatron_rl.bench.drift.runner import CRASHED, read_status, run_dir
+from megatron_rl.files.atomic import write_text_atomic
+
+ACCURACY_DROP = 0.15
+RECOVERY_EVALS = 2
+REWARD_FLOOR = 0.02
+REWARD_FLOOR_STEPS = 3
+
+# summary column -> the per-step metric it averages over the run's steps
+STEP_MEANS = {
+    "drift_token_layer": "routing/drift_token_layer",
+    "drift_token_any": "routing/drift_token_any",
+    "drift_jaccard": "routing/drift_jaccard",
+    "replay_miss_max": "routing/replay_miss_token_layer",
+    "engine_routing_mismatch": "routing/engine_mismatch_token_layer",
+    "clip_frac_token": "clip_frac/token",
+    "clip_frac_seq": "clip_frac/seq",
+    "log_ratio_std": "log_ratio/std",
+    "log_ratio_abs_max": "log_ratio/abs_max",
+    "log_ratio_outside_0.8_1.25": "log_ratio/frac_tau1.25",
+    "kl_k3": "kl/k3",
+    "mismatch_k3": "mismatch/k3",
+    "reward_mean": "reward/mean",
+    "grad_norm": "grad_norm",
+    "step_s": "time/step_s",
+    "rollout_s": "time/rollout_s",
+    "old_logprob_s": "time/old_logprob_s",
+    "train_s": "time/train_s",
+    "record_bytes": "routing/record_bytes",
+}
+# columns taken as the maximum over steps instead of the mean
+_STEP_MAXIMA = ("replay_miss_max",)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (a torn last line, from a killed run, is left out)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+def collapse_events(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(step, kind) of every collapse event of one run's per-step records (module docstring)."""
+    events = [(r["step"], "nonfinite") for r in records if r.get("steps/skipped")]
+    evals = [(r["step"], r["eval/accuracy"]) for r in records if r.get("eval/accuracy") is not None]
+    best, index = -math.inf, 0
+    while index < len(evals):
+        step, accuracy = evals[index]
+        if accuracy < best - ACCURACY_DROP:
+            later = evals[index + 1 : index + 1 + RECOVERY_EVALS]
+            if all(value < best - ACCURACY_DROP for _, value in later):
+                events.append((step, "accuracy"))
+                # one event per fall: the next counts only after a recovery to within the drop
+                index += 1
+                while index < len(evals) and evals[index][1] < best - ACCURACY_DROP:
+                    index += 1
+                continue
+        best = max(best, accuracy)
+        index += 1
+    low = 0
+    for record in records:
+        reward = record.get("reward/mean")
+        low = low + 1 if reward is not None and reward <= REWARD_FLOOR else 0
+        if low == REWARD_FLOOR_STEPS:
+            events.append((record["step"], "reward"))
+    return sorted(events)
+
+
+def summarize_run(grid: DriftGrid, out: Path, run: Any) -> dict[str, Any]:
+    """The summary row of `run`: its arm, point, seed, state, accuracy, collapses, means."""
+    recipe = recipe_for(grid, run)
+    status = read_status(out, run) or {"state": "not run", "error": "", "seconds": None}
+    records = read_metrics(run_dir(out, run) / "metrics.jsonl")
+    steps = [r for r in records if r["step"] > 0]
+    accuracies = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
+    events = collapse_events(records)
+    if status["state"] == CRASHED and "non-finite" in status.get("error", ""):
+        events.append((steps[-1]["step"] if steps else 0, "nonfinite"))
+    row: dict[str, Any] = {
+        "run_id": run.run_id,
+        "arm": run.arm,
+        "cell": run.cell,
+        **run.point,
+        "seed": run.seed,
+        "loss": recipe.algo.loss,
+        "routing_replay": recipe.algo.routing_replay.value,
+        "use_engine_logprobs": recipe.algo.use_engine_logprobs,
+        "updates_per_batch": recipe.algo.updates_per_batch,
+        "lr": recipe.optim.lr,
+        "layers": (run.shape or grid.base_shape).get("layers"),
+        "state": status["state"],
+        "error": status.get("error", ""),
+        "seconds": status.get("seconds"),
+        "steps": len(steps),
+        "initial_accuracy": accuracies[0] if accuracies else None,
+        "final_accuracy": accuracies[-1] if accuracies else None,
+        "best_accuracy": max(accuracies) if accuracies else None,
+        "collapse_events": len(events),
+        "collapses": " ".join(f"{kind}@{step}" for step, kind in events),
+    }
+    for column, key in STEP_MEANS.items():
+        values = [r[key] for r in steps if r.get(key) is not None]
+        combine = max if column in _STEP_MAXIMA else statistics.fmean
+        row[column] = combine(values) if values else None
+    row["learn_s_per_1k_tokens"] = _learn_seconds_per_1k_tokens(steps)
+    prefix = "routing/drift_layer_"
+    layers = sorted({int(key[len(prefix) :]) for r in steps for key in r if key.startswith(prefix)})
+    for layer in layers:
+        values = [r[f"{prefix}{layer}"] for r in steps if r.get(f"{prefix}{layer}") is not None]
+        row[f"drift_layer_{layer}"] = statistics.fmean(values) if values else None
+    return row
+
+
+def _learn_seconds_per_1k_tokens(steps: list[dict[str, Any]]) -> float | None:
+    """The old-policy pass and the updates, per 1000 response tokens trained on (the phases
+    replay touches, normalised for the runs' different response lengths)."""
+    values = []
+    for r in steps:
+        tokens = (r.get("throughput/response_tokens_per_s") or 0) * (r.get("time/step_s") or 0)
+        if tokens > 0 and r.get("time/train_s") is not None:
+            values.append(1000 * (r["time/train_s"] + (r.get("time/old_logprob_s") or 0)) / tokens)
+    return statistics.fmean(values) if values else None
+
+
+def summarize(grid: DriftGrid, out: Path) -> list[dict[str, Any]]:
+    return [summarize_run(grid, out, run) for run in grid.runs]
+
+
+def write_summary_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    """`summary.csv`: one row per run, the union of the rows' columns (empty where absent)."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, restval="")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({key: "" if value is None else value for key, value in row.items()})
+    write_text_atomic(path, buffer.getvalue())
