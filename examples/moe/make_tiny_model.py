@@ -4,8 +4,9 @@ supervised training on worked solutions of the built-in arithmetic task from a s
     python examples/moe/make_tiny_model.py --out examples/moe/tiny_qwen3_moe
 
 Steps: build a character-level tokenizer over the task's alphabet; initialise a 4-layer,
-8-expert, top-2 Qwen3-MoE (other shapes: --layers, --experts, --topk) at random (seeded); train it on (prompt, worked solution) pairs of
-the task's train split, with the loss on the solution only.
+8-expert, top-2 Qwen3-MoE (other shapes: --layers, --experts, --topk) at random (seeded);
+train it on (prompt, worked solution) pairs of the task's train split, with the loss on the
+solution only.
 
 The teacher is sloppy in one systematic way: in a step that carries (an addition whose units
 add up to 10 or more) or borrows (a subtraction whose units digit is smaller), it forgets the

@@ -53,10 +53,12 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
 }
 
 SHAPE_FIELDS = ("base_model.layers", "base_model.experts", "base_model.topk")
+# shape -> its config.json keys (transformers 5 writes Qwen3-MoE's expert count as
+# num_local_experts, earlier versions as num_experts)
 _SHAPE_KEYS = {
-    "num_hidden_layers": "layers",
-    "num_experts": "experts",
-    "num_experts_per_tok": "topk",
+    "layers": ("num_hidden_layers",),
+    "experts": ("num_local_experts", "num_experts"),
+    "topk": ("num_experts_per_tok",),
 }
 
 # What the default CPU grid costs: ~1.2 s per step of the tiny recipe on one thread, so a
@@ -285,7 +287,12 @@ def _sweep(entry: Any, index: int, arms: dict[str, dict[str, Any]]) -> dict[str,
 
 def _model_shape(hf_path: str) -> dict[str, int]:
     config = read_config(Path(hf_path), given_as="model.hf_path")
-    return {short: int(config[key]) for key, short in _SHAPE_KEYS.items() if key in config}
+    shape = {}
+    for short, keys in _SHAPE_KEYS.items():
+        found = [config[key] for key in keys if key in config]
+        if found:
+            shape[short] = int(found[0])
+    return shape
 
 
 def _plan(grid: DriftGrid) -> list[PlannedRun]:
