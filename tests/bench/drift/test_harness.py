@@ -1,0 +1,139 @@
+"""`megatron-rl bench drift` end to end on a tiny grid (real training runs of the tiny recipe),
+resume, a crashing arm, and the bad inputs refused before any run starts."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megatron_rl.bench.drift import run_drift_benchmark
+from megatron_rl.bench.drift.grid import GridError, load_grid
+from megatron_rl.bench.drift.runner import check_results_dir
+from tests.trainer.run_cli import RECIPE, SHORT_RUN
+
+TINY = {
+    "seeds": [1],
+    "set": dict(item.split("=", 1) for item in SHORT_RUN) | {"run.eval_every": 1},
+    "arms": {
+        "grpo_r2": None,
+        "gspo": None,
+        # valid as a recipe, fails when the run starts: 2 TP ranks in a 1-process run
+        "broken": {"algo.loss": "gspo", "parallel.tp": 2},
+    },
+    "sweeps": [],
+}
+
+
+def write_grid(tmp_path, grid: dict, name: str = "grid.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(grid))
+    return path
+
+
+def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
+    grid_file, out = write_grid(tmp_path, TINY), tmp_path / "results"
+    models = tmp_path / "models"
+    report = run_drift_benchmark(str(RECIPE), str(grid_file), out, jobs=2, models_dir=models)
+    printed = capsys.readouterr().out
+    assert "[3/3]" in printed and "ETA" in printed
+    assert "broken--base--seed1: CRASHED" in printed
+    rows = {row["arm"]: row for row in csv.DictReader((out / "summary.csv").open())}
+    assert rows["grpo_r2"]["state"] == rows["gspo"]["state"] == "done"
+    assert rows["broken"]["state"] == "crashed" and "parallel" in rows["broken"]["error"]
+    for arm in ("grpo_r2", "gspo"):
+        assert int(rows[arm]["steps"]) == 2 and 0 <= float(rows[arm]["final_accuracy"]) <= 1
+        assert float(rows[arm]["drift_token_layer"]) >= 0
+        assert (out / "runs" / f"{arm}--base--seed1" / "recipe.yaml").is_file()
+    assert float(rows["grpo_r2"]["replay_miss_max"]) == 0.0
+    text = report.read_text()
+    assert "## Claims" in text and "## Crashed runs" in text
+    claims = [line for line in text.splitlines() if line[:2] in {f"{n}." for n in range(1, 9)}]
+    assert len(claims) == 8
+    assert all(any(v in line for v in ("PASS", "FAIL", "NOT TESTED")) for line in claims)
+    for plot in ("drift_vs_step.png", "curves.png", "clip_fractions.png", "ratio_tails.png"):
+        assert (out / plot).read_bytes()[:4] == b"\x89PNG"
+
+    # Again: nothing finished runs again; on request the crashed run does.
+    done = out / "runs" / "gspo--base--seed1" / "metrics.jsonl"
+    before = done.stat().st_mtime_ns
+    run_drift_benchmark(str(RECIPE), str(grid_file), out, jobs=2, models_dir=models)
+    assert "3 of 3 runs already ended; running 0" in capsys.readouterr().out
+    run_drift_benchmark(
+        str(RECIPE), str(grid_file), out, jobs=2, models_dir=models, rerun_crashed=True
+    )
+    assert "running 1" in capsys.readouterr().out
+    assert done.stat().st_mtime_ns == before
+
+    # Another grid in the same results directory is refused, naming the difference.
+    other = write_grid(tmp_path, TINY | {"seeds": [1, 2]}, "other.yaml")
+    with pytest.raises(GridError, match=r"another grid or recipe \(seeds"):
+        check_results_dir(out, load_grid(str(RECIPE), str(other)))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"arms": {"grpo_r4": None}}, r"arms.grpo_r4: unknown arm; built-in arms: grpo, "),
+        ({"arms": {"x": {"algo.loss": "ppo"}}}, r"arm x, point base: algo.loss: unknown loss"),
+        (
+            {"sweeps": [{"name": "s", "field": "optim.learning_rate", "values": [1]}]},
+            r"sweep field optim.learning_rate: optim.learning_rate is not a recipe field "
+            r"\(valid here: .*lr",
+        ),
+        (
+            {"sweeps": [{"name": "s", "field": "algo.updates_per_batch", "values": ["many"]}]},
+            r"point updates_per_batch=many: algo.updates_per_batch: expected an int",
+        ),
+        (
+            {"sweeps": [{"name": "s", "field": "base_model.layers", "values": [0]}]},
+            r"base_model.layers expects an integer >= 1",
+        ),
+        ({"sweeps": [{"name": "s", "values": [1]}]}, r"give either field and values, or points"),
+        (
+            {"sweeps": [{"name": "s", "field": "optim.lr", "values": [1e-4], "arms": ["sspo"]}]},
+            r"'sspo' is not an arm of the grid",
+        ),
+        ({"seeds": []}, r"seeds: expected a non-empty list of integers"),
+        ({"jobs": 2}, r"grid: unknown key 'jobs'"),
+    ],
+)
+def test_bad_grids_are_refused_naming_the_field(tmp_path, change, message):
+    grid = {"seeds": [1], "arms": {"gspo": None}} | change
+    with pytest.raises(GridError, match=message):
+        load_grid(str(RECIPE), str(write_grid(tmp_path, grid)))
+
+
+def test_cli_refuses_zero_jobs_and_a_foreign_directory(tmp_path):
+    command = [sys.executable, "-m", "megatron_rl.cli", "bench", "drift", str(RECIPE)]
+    zero = subprocess.run([*command, "--jobs", "0"], capture_output=True, text=True, timeout=120)
+    assert zero.returncode == 2 and "--jobs: expected a positive int, got 0" in zero.stderr
+    foreign = tmp_path / "results"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    grid = write_grid(tmp_path, {"seeds": [1], "arms": {"gspo": None}})
+    refused = subprocess.run(
+        [*command, "--grid", str(grid), "--out", str(foreign)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2
+    assert "not empty and not a drift results directory" in refused.stderr
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+
+
+def test_default_grid_plans_every_arm_and_sweep():
+    grid = load_grid(str(RECIPE), None)
+    cells = {run.cell for run in grid.runs}
+    assert {"base", "updates_per_batch=1", "updates_per_batch=8", "layers=2", "layers=8"} <= cells
+    assert "updates_per_batch=4" not in cells and "layers=4" not in cells  # the base point
+    base_arms = {run.arm for run in grid.runs if run.cell == "base"}
+    assert base_arms == set(json.loads(json.dumps(list(grid.arms))))
+    assert all(len({r.seed for r in grid.runs if r.cell == c}) == 3 for c in cells)
+    deep = [r for r in grid.runs if r.cell == "layers=8"]
+    assert all(r.shape == {"layers": 8, "experts": 8, "topk": 2} for r in deep)
