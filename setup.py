@@ -24,15 +24,19 @@ INSTALL_REQUIRES = [
 
 # Experiment tracking; megatron_rl.metrics imports it lazily. The tests run a real offline run.
 WANDB = "wandb==0.31.0"
+# The drift benchmark's plots (megatron_rl/bench/drift/report.py, imported only to report).
+MATPLOTLIB = "matplotlib==3.11.2"
 
 EXTRAS_REQUIRE = {
-    # What scripts/test.sh installs: the test runner, property tests, the linter and wandb.
-    "test": ["pytest==9.2.0", "hypothesis==6.170.17", "ruff==0.17.6", WANDB],
+    # What scripts/test.sh installs: the test runner, property tests, the linter, wandb and
+    # matplotlib (the drift benchmark's test draws its plots).
+    "test": ["pytest==9.2.0", "hypothesis==6.170.17", "ruff==0.17.6", WANDB, MATPLOTLIB],
     # GPU clusters only: Transformer Engine layer specs and fused kernels.
     "gpu": ["transformer-engine[pytorch]==2.20.2"],
     # The production rollout backend.
     "sglang": ["sglang==0.5.23"],
     "wandb": [WANDB],
+    "bench": [MATPLOTLIB],
 }
 
 setup(

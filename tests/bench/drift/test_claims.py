@@ -59,7 +59,7 @@ def test_drift_after_update_fails_on_zero_drift_or_a_replay_miss():
     assert verdict(claims.drift_after_update, rows) == "PASS"
     still = [r | {"drift_token_layer": 0.0} if r["arm"] == "grpo" else r for r in rows]
     assert verdict(claims.drift_after_update, still) == "FAIL"
-    missed = rows[:-1] + [rows[-1] | {"replay_miss_max": 0.01}]
+    missed = [*rows[:-1], rows[-1] | {"replay_miss_max": 0.01}]
     assert verdict(claims.drift_after_update, missed) == "FAIL"
     on_policy = [r | {"updates_per_batch": 1} for r in rows]
     assert verdict(claims.drift_after_update, on_policy) == "NOT TESTED"
