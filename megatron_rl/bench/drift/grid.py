@@ -10,7 +10,8 @@ A grid file (YAML; every key optional, the default grid is `DEFAULT_GRID`):
     sweeps:                          # each varies its fields around the base point
       - {name: off_policy, field: algo.updates_per_batch, values: [1, 2, 8], arms: [grpo]}
       - {name: deep, points: [{base_model.layers: 8, algo.updates_per_batch: 8}]}
-    launcher: []                     # command before `-m megatron_rl.cli train`, e.g. torchrun
+    launcher: []                     # runs `-m megatron_rl.cli train RECIPE`: python (default),
+                                     # or torchrun and its options ($NAME: from the environment)
     threads: 1                       # torch threads per run
 
 The base point is the recipe with `set`; every arm runs there. A sweep point runs the sweep's

@@ -131,7 +131,8 @@ def _run_task(
     directory = run_dir(out, run)
     recipe_path = directory / "recipe.yaml"
     build = None if run.shape is None else base_models.shape_name(run.shape)
-    launcher = grid.launcher or [sys.executable]
+    # $NAME in the launcher (e.g. the head node of a SLURM allocation) is the environment's
+    launcher = [os.path.expandvars(part) for part in grid.launcher] or [sys.executable]
 
     def prepare() -> None:
         if build in failed:

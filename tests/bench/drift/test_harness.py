@@ -137,3 +137,16 @@ def test_default_grid_plans_every_arm_and_sweep():
     assert all(len({r.seed for r in grid.runs if r.cell == c}) == 3 for c in cells)
     deep = [r for r in grid.runs if r.cell == "layers=8"]
     assert all(r.shape == {"layers": 8, "experts": 8, "topk": 2} for r in deep)
+
+
+def test_cluster_example_grid_and_recipe_are_valid():
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.recipe import Recipe
+
+    examples = RECIPE.parent
+    recipe = load_config(Recipe, examples / "qwen3_30b_a3b_gspo.yaml")
+    assert (recipe.parallel.pp, recipe.parallel.ep) == (2, 8)
+    # The grid itself, planned over the tiny recipe (the 30B checkpoint is not here).
+    grid = load_grid(str(RECIPE), str(examples / "qwen3_30b_a3b_drift.yaml"))
+    assert len(grid.runs) == 42
+    assert grid.launcher[0] == "srun"
