@@ -186,8 +186,7 @@ class _Scheduler:
             "MKL_NUM_THREADS": str(threads),
             "PYTHONUNBUFFERED": "1",
         }
-        self.started = time.monotonic()
-        self.finished_runs = 0
+        self.finished_runs, self.run_seconds = 0, 0.0
 
     def run(self, *, total_runs: int) -> None:
         self.total_runs = total_runs
@@ -242,9 +241,10 @@ class _Scheduler:
             self.progress(f"{task.name}: {state} in {seconds:.0f} s")
             return
         self.finished_runs += 1
+        self.run_seconds += seconds
         left = self.total_runs - self.finished_runs
-        elapsed = time.monotonic() - self.started
-        eta = elapsed / self.finished_runs * left
+        # runs still to go at the mean time of the runs so far, `jobs` at a time
+        eta = self.run_seconds / self.finished_runs * left / self.jobs
         state = DONE if code == 0 else f"CRASHED ({error})"
         self.progress(
             f"[{self.finished_runs}/{self.total_runs}] {task.name}: {state} in {seconds:.0f} s; "
