@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,14 +14,11 @@ from typing import TYPE_CHECKING
 from megatron_rl.cli.arguments import fraction, positive_int
 from megatron_rl.cli.bench import add_bench
 from megatron_rl.cli.known_warnings import WarningRouter
+from megatron_rl.cli.signals import exit_on_sigterm
 from megatron_rl.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
     from megatron_rl.parallel.distributed import LaunchEnv
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -36,9 +32,7 @@ def _train(args: argparse.Namespace) -> int:
     args.known_warnings.log_to(
         Path(recipe.run.dir) / "warnings.log", prefix=f"[rank {launch.rank}] "
     )
-    # SIGTERM (a scheduler's preemption, torchrun stopping its workers) unwinds the run like an
-    # error, so that the rollout servers it started are stopped too.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    exit_on_sigterm()
     try:
         metrics = train(recipe, resume=args.resume)
     except TrainingAborted as error:

@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from megatron_rl.cli.arguments import positive_int
+from megatron_rl.cli.signals import exit_on_sigterm
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _drift(args: argparse.Namespace) -> int:
     from megatron_rl.bench.drift import run_drift_benchmark
 
+    exit_on_sigterm()  # the runs in flight are stopped on the way out
     report = run_drift_benchmark(
         args.recipe,
         args.grid,

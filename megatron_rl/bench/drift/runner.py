@@ -149,6 +149,7 @@ def _run_task(
         # The report reads the metrics; the final checkpoint (~17 MB on the tiny model) is not
         # needed, and a grid holds a hundred of them.
         shutil.rmtree(directory / "checkpoints", ignore_errors=True)
+        directory.mkdir(parents=True, exist_ok=True)  # a run that never started has none yet
         status = {
             "state": DONE if code == 0 else CRASHED,
             "returncode": code,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
 import subprocess
 import sys
 
@@ -150,3 +151,29 @@ def test_cluster_example_grid_and_recipe_are_valid():
     grid = load_grid(str(RECIPE), str(examples / "qwen3_30b_a3b_drift.yaml"))
     assert len(grid.runs) == 42
     assert grid.launcher[0] == "srun"
+
+
+def test_sigterm_stops_the_runs_in_flight(tmp_path):
+    import time
+
+    import psutil
+
+    grid = TINY | {"arms": {"gspo": None}, "set": TINY["set"] | {"run.steps": 200}}
+    command = [sys.executable, "-m", "megatron_rl.cli", "bench", "drift", str(RECIPE)]
+    command += ["--grid", str(write_grid(tmp_path, grid)), "--out", str(tmp_path / "results")]
+    harness = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        children: list[psutil.Process] = []
+        deadline = time.monotonic() + 120
+        while not children and time.monotonic() < deadline:
+            time.sleep(0.5)
+            children = psutil.Process(harness.pid).children(recursive=True)
+        assert children, "the harness started no run"
+        harness.send_signal(signal.SIGTERM)
+        assert harness.wait(timeout=60) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+            harness.wait()
