@@ -168,19 +168,23 @@ def _validate(config: Any) -> None:
         check()
 
 
+def read_yaml_mapping(path: Path, *, given_as: str) -> dict[str, Any]:
+    """The YAML mapping in `path` (empty file: {}); errors name it as `given_as` (`recipe`,
+    `--grid`)."""
+    if not path.is_file():
+        raise ConfigError(f"{given_as} {path}: no such file")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{given_as} {path}: not valid YAML ({error})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{given_as} {path}: expected a mapping at the top level")
+    return tree
+
+
 def load_config(cls: type[T], recipe: str | Path | None, overrides: list[str] = ()) -> T:
     """The recipe `cls` from a YAML file (or defaults when None) with dotted overrides."""
-    tree: dict[str, Any] = {}
-    if recipe is not None:
-        path = Path(recipe)
-        if not path.is_file():
-            raise ConfigError(f"recipe {path}: no such file")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as error:
-            raise ConfigError(f"recipe {path}: not valid YAML ({error})") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"recipe {path}: expected a mapping at the top level")
+    tree = {} if recipe is None else read_yaml_mapping(Path(recipe), given_as="recipe")
     for override in overrides:
         _apply_override(tree, cls, override)
     config = _build(cls, tree)

@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import ConfigError, load_config, read_yaml_mapping
 from megatron_rl.files.hf_checkpoint import read_config
+from megatron_rl.models.families import family_for
 from megatron_rl.trainer.recipe import Recipe
 
 # The algorithm of each built-in arm, in full, so that the recipe's own algo choices never leak
@@ -54,14 +53,6 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
 }
 
 SHAPE_FIELDS = ("base_model.layers", "base_model.experts", "base_model.topk")
-# shape -> its config.json keys (transformers 5 writes Qwen3-MoE's expert count as
-# num_local_experts, earlier versions as num_experts)
-_SHAPE_KEYS = {
-    "layers": ("num_hidden_layers",),
-    "experts": ("num_local_experts", "num_experts"),
-    "topk": ("num_experts_per_tok",),
-}
-
 # What the default CPU grid costs: ~1.2 s per step of the tiny recipe on one thread, so a
 # 30-step run takes ~50 s with start-up; depth 8 twice that. See docs/drift.md.
 DEFAULT_GRID: dict[str, Any] = {
@@ -160,7 +151,9 @@ def load_grid(
 ) -> DriftGrid:
     """The grid of `grid_path` (the default grid when None) over the recipe with `overrides`,
     every run's recipe checked before anything starts."""
-    raw = DEFAULT_GRID if grid_path is None else _read_grid_file(Path(grid_path))
+    raw = DEFAULT_GRID
+    if grid_path is not None:
+        raw = read_yaml_mapping(Path(grid_path), given_as="--grid")
     unknown = sorted(set(raw) - set(_GRID_KEYS))
     if unknown:
         raise GridError(f"grid: unknown key {unknown[0]!r}; valid keys: {', '.join(_GRID_KEYS)}")
@@ -201,18 +194,6 @@ def recipe_for(grid: DriftGrid, run: PlannedRun, model_path: Path | None = None)
 def override_strings(overrides: dict[str, Any]) -> list[str]:
     """Dotted key -> value as the trainer's KEY=VALUE overrides (JSON values, which YAML reads)."""
     return [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
-
-
-def _read_grid_file(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise GridError(f"--grid {path}: no such file")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise GridError(f"--grid {path}: not valid YAML ({error})") from None
-    if not isinstance(raw, dict):
-        raise GridError(f"--grid {path}: expected a mapping at the top level")
-    return raw
 
 
 def _int_list(value: Any, key: str) -> list[int]:
@@ -287,13 +268,10 @@ def _sweep(entry: Any, index: int, arms: dict[str, dict[str, Any]]) -> dict[str,
 
 
 def _model_shape(hf_path: str) -> dict[str, int]:
-    config = read_config(Path(hf_path), given_as="model.hf_path")
-    shape = {}
-    for short, keys in _SHAPE_KEYS.items():
-        found = [config[key] for key in keys if key in config]
-        if found:
-            shape[short] = int(found[0])
-    return shape
+    """The shape of the model at `hf_path`, as its family reads its config.json."""
+    hf_config = read_config(Path(hf_path), given_as="model.hf_path")
+    config = family_for(hf_config).config_from_hf(hf_config)
+    return {"layers": config.num_layers, "experts": config.num_experts, "topk": config.router_topk}
 
 
 def _plan(grid: DriftGrid) -> list[PlannedRun]:
@@ -325,10 +303,7 @@ def _base_values(grid: DriftGrid, swept: list[str]) -> dict[str, Any]:
     values = {}
     for key in swept:
         if key in SHAPE_FIELDS:
-            short = key.split(".")[1]
-            if short not in grid.base_shape:
-                raise GridError(f"{key}: the recipe's model.hf_path has no {short} in config.json")
-            values[key] = grid.base_shape[short]
+            values[key] = grid.base_shape[key.split(".")[1]]
             continue
         values[key] = _recipe_value(recipe, key)
     return values
