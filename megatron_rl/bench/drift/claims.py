@@ -70,17 +70,27 @@ def _std(rows: list[Row], column: str) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def group_by(rows: list[Row], column: str) -> dict[Any, list[Row]]:
+    """The rows by their value of `column`, in first-seen order."""
+    groups: dict[Any, list[Row]] = defaultdict(list)
+    for row in rows:
+        groups[row[column]].append(row)
+    return groups
+
+
 def _cells(rows: list[Row], *arms: Callable[[Row], bool]) -> list[list[list[Row]]]:
     """Per cell holding every one of `arms`: that cell's rows of each arm."""
-    grouped: dict[str, list[Row]] = defaultdict(list)
-    for row in rows:
-        grouped[row["cell"]].append(row)
     cells = []
-    for cell_rows in grouped.values():
+    for cell_rows in group_by(rows, "cell").values():
         per_arm = [[row for row in cell_rows if arm(row)] for arm in arms]
         if all(per_arm):
             cells.append(per_arm)
     return cells
+
+
+def _pooled(cells: list[list[list[Row]]], arm: int) -> list[Row]:
+    """The rows of the `arm`-th arm of `_cells` over all of `cells`."""
+    return [row for cell in cells for row in cell[arm]]
 
 
 def _regime(rows: list[Row]) -> str:
@@ -196,8 +206,8 @@ def tails_fatten_without_replay(rows: list[Row]) -> Claim:
             "needs GRPO with and without R2 at >1 update per batch",
             _regime(rows),
         )
-    free = [r for cell in cells for r in cell[0]]
-    r2 = [r for cell in cells for r in cell[1]]
+    free = _pooled(cells, 0)
+    r2 = _pooled(cells, 1)
     parts, larger = [], True
     for column, label in (
         ("log_ratio_abs_max", "max |log w|"),
@@ -220,8 +230,8 @@ def gspo_clips_far_more(rows: list[Row]) -> Claim:
     cells = _cells(rows, lambda r: r["loss"] == "gspo", lambda r: r["loss"] == "grpo")
     if not cells:
         return Claim(4, statement, NOT_TESTED, "needs GSPO and GRPO runs", _regime(rows))
-    gspo = _mean([r for c in cells for r in c[0]], "clip_frac_token") or 0.0
-    grpo = _mean([r for c in cells for r in c[1]], "clip_frac_token") or 0.0
+    gspo = _mean(_pooled(cells, 0), "clip_frac_token") or 0.0
+    grpo = _mean(_pooled(cells, 1), "clip_frac_token") or 0.0
     ratio = gspo / grpo if grpo > 0 else (float("inf") if gspo > 0 else 0.0)
     evidence = (
         f"clipped tokens: GSPO {gspo:.2%}, GRPO {grpo:.3%} ({ratio:.0f}x, {len(cells)} cells)"
@@ -248,7 +258,7 @@ def gspo_as_stable_as_r2(rows: list[Row]) -> Claim:
     results = [(c[0][0]["cell"], *_stable_as(c[0], c[1])) for c in strong]
     verdict = PASS if all(ok for _, ok, _ in results) else FAIL
     evidence = "; ".join(f"{cell}: {text}" for cell, _, text in results)
-    return Claim(5, statement, verdict, evidence, _regime([r for c in strong for r in c[0]]))
+    return Claim(5, statement, verdict, evidence, _regime(_pooled(strong, 0)))
 
 
 def on_policy_needs_no_replay(rows: list[Row]) -> Claim:
@@ -279,7 +289,7 @@ def on_policy_needs_no_replay(rows: list[Row]) -> Claim:
         + f". {off_degree} updates: "
         + "; ".join(text for _, text in off_results)
     )
-    return Claim(6, statement, verdict, evidence, _regime([r for c in off for r in c[0]]))
+    return Claim(6, statement, verdict, evidence, _regime(_pooled(off, 0)))
 
 
 def engine_logprobs_suffice(rows: list[Row]) -> Claim:
@@ -296,8 +306,8 @@ def engine_logprobs_suffice(rows: list[Row]) -> Claim:
             "needs GSPO with and without the engine's log-probs",
             _regime(rows),
         )
-    engine = [r for c in cells for r in c[0]]
-    forward = [r for c in cells for r in c[1]]
+    engine = _pooled(cells, 0)
+    forward = _pooled(cells, 1)
     stable, text = _stable_as(engine, forward)
     saved = (_mean(forward, "old_logprob_s") or 0) - (_mean(engine, "old_logprob_s") or 0)
     step = _mean(forward, "step_s") or float("nan")
@@ -317,8 +327,8 @@ def replay_is_cheap(rows: list[Row]) -> Claim:
     cells = _cells(rows, GRPO_R2, GRPO)
     if not cells:
         return Claim(8, statement, NOT_TESTED, "needs GRPO with and without R2", _regime(rows))
-    r2 = [r for c in cells for r in c[0]]
-    free = [r for c in cells for r in c[1]]
+    r2 = _pooled(cells, 0)
+    free = _pooled(cells, 1)
     with_replay, without = _mean(r2, "learn_s_per_1k_tokens"), _mean(free, "learn_s_per_1k_tokens")
     if with_replay is None or without is None:
         return Claim(8, statement, NOT_TESTED, "no learning-phase times", _regime(rows))

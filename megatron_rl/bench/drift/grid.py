@@ -112,8 +112,11 @@ class PlannedRun:
     cell: str  # "base" or the sweep point's label
     point: dict[str, Any]  # every swept field of the grid -> this run's value
     seed: int
-    overrides: dict[str, Any]  # dotted recipe key -> value, model path included
+    overrides: dict[str, Any]  # dotted recipe key -> value
     shape: dict[str, int] | None  # the base model to build, or None for the recipe's
+    recipe: (
+        Recipe  # the run's recipe, checked (on the recipe's model: the runner sets the built one)
+    )
 
 
 @dataclass(frozen=True)
@@ -187,8 +190,11 @@ def load_grid(
 def recipe_for(grid: DriftGrid, run: PlannedRun, model_path: Path | None = None) -> Recipe:
     """The full recipe of `run` (checked), on the model at `model_path` if given."""
     model = {} if model_path is None else {"model.hf_path": str(model_path)}
-    overrides = override_strings(run.overrides | model)
-    return load_config(Recipe, grid.recipe_path, grid.recipe_overrides + overrides)
+    return load_config(Recipe, grid.recipe_path, _run_overrides(grid, run.overrides | model))
+
+
+def _run_overrides(grid: DriftGrid, overrides: dict[str, Any]) -> list[str]:
+    return grid.recipe_overrides + override_strings(overrides)
 
 
 def override_strings(overrides: dict[str, Any]) -> list[str]:
@@ -346,10 +352,8 @@ def _planned(
     run_id = f"{arm}--{label}--seed{seed}"
     overrides["run.seed"] = seed
     overrides["run.name"] = run_id
-    run = PlannedRun(run_id, arm, label, values, seed, overrides, shape)
     try:
-        # The model path is set by the runner once the shape is built; check the rest now.
-        recipe_for(grid, run)
+        recipe = load_config(Recipe, grid.recipe_path, _run_overrides(grid, overrides))
     except ConfigError as error:
         raise GridError(f"arm {arm}, point {label}: {error}") from None
-    return run
+    return PlannedRun(run_id, arm, label, values, seed, overrides, shape, recipe)

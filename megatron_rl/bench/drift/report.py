@@ -12,7 +12,7 @@ from typing import Any
 # The object-oriented API without pyplot: figures drawn straight to files, no display backend.
 from matplotlib.figure import Figure
 
-from megatron_rl.bench.drift.claims import Claim, check_claims
+from megatron_rl.bench.drift.claims import Claim, check_claims, group_by
 from megatron_rl.bench.drift.grid import DriftGrid
 from megatron_rl.bench.drift.runner import run_dir
 from megatron_rl.bench.drift.summary import (
@@ -21,7 +21,7 @@ from megatron_rl.bench.drift.summary import (
     REWARD_FLOOR,
     REWARD_FLOOR_STEPS,
     read_metrics,
-    summarize,
+    summarize_run,
     write_summary_csv,
 )
 from megatron_rl.files.atomic import write_text_atomic
@@ -46,12 +46,9 @@ _TABLE = (
 
 def write_report(grid: DriftGrid, out: Path) -> Path:
     """summary.csv, the plots and report.md in `out`; returns report.md's path."""
-    rows = summarize(grid, out)
+    curves = {run.run_id: read_metrics(run_dir(out, run) / "metrics.jsonl") for run in grid.runs}
+    rows = [summarize_run(grid, out, run, curves[run.run_id]) for run in grid.runs]
     write_summary_csv(rows, out / "summary.csv")
-    curves = {
-        row["run_id"]: read_metrics(run_dir(out, run) / "metrics.jsonl")
-        for row, run in zip(rows, grid.runs, strict=True)
-    }
     done = [row for row in rows if row["state"] == "done"]
     plots = [plot(done, curves, out) for plot in _PLOTS]
     claims = check_claims(rows)
@@ -83,7 +80,7 @@ def format_report(rows: list[Row], claims: list[Claim], plots: list[tuple[str, s
             f"{claim.number}. **{claim.verdict}**: {claim.statement}",
             f"   {claim.evidence}. Regime: {claim.regime}.",
         ]
-    for cell, cell_rows in _by_cell(done).items():
+    for cell, cell_rows in group_by(done, "cell").items():
         lines += ["", f"## Point `{cell}`", "", *_cell_table(cell_rows)]
     if crashed:
         lines += ["", "## Crashed runs", "", "| run | error |", "|---|---|"]
@@ -93,20 +90,10 @@ def format_report(rows: list[Row], claims: list[Claim], plots: list[tuple[str, s
     return "\n".join(lines) + "\n"
 
 
-def _by_cell(rows: list[Row]) -> dict[str, list[Row]]:
-    cells: dict[str, list[Row]] = defaultdict(list)
-    for row in rows:
-        cells[row["cell"]].append(row)
-    return cells
-
-
 def _cell_table(rows: list[Row]) -> list[str]:
     header = ["arm", "runs", "collapses", *(title for _, title, _ in _TABLE)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    arms: dict[str, list[Row]] = defaultdict(list)
-    for row in rows:
-        arms[row["arm"]].append(row)
-    for arm, arm_rows in arms.items():
+    for arm, arm_rows in group_by(rows, "arm").items():
         cells = [arm, str(len(arm_rows)), str(sum(r["collapse_events"] for r in arm_rows))]
         for column, _, form in _TABLE:
             values = [r[column] for r in arm_rows if r.get(column) is not None]
@@ -137,13 +124,6 @@ def _band(ax: Any, runs: list[Series], label: str) -> None:
     )
 
 
-def _arms(rows: list[Row]) -> dict[str, list[Row]]:
-    arms: dict[str, list[Row]] = defaultdict(list)
-    for row in rows:
-        arms[row["arm"]].append(row)
-    return arms
-
-
 def _at_base_except(rows: list[Row], *varied: str) -> list[Row]:
     """Rows equal to the base point in updates, learning rate and depth, except `varied`."""
     base = [r for r in rows if r["cell"] == "base"]
@@ -166,7 +146,7 @@ def _plot_drift_vs_step(
         return None
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
-    for arm, arm_rows in _arms(base).items():
+    for arm, arm_rows in group_by(base, "arm").items():
         _band(
             ax, [_series(curves[r["run_id"]], "routing/drift_token_layer") for r in arm_rows], arm
         )
@@ -223,7 +203,7 @@ def _plot_off_policy(
         return None
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
-    for arm, arm_rows in _arms(swept).items():
+    for arm, arm_rows in group_by(swept, "arm").items():
         degrees = sorted({r["updates_per_batch"] for r in arm_rows})
         ax.plot(
             degrees,
@@ -258,7 +238,7 @@ def _plot_curves(
         (axes[0], "reward/mean", "Sampled reward"),
         (axes[1], "eval/accuracy", "Held-out accuracy"),
     ):
-        for arm, arm_rows in _arms(base).items():
+        for arm, arm_rows in group_by(base, "arm").items():
             _band(ax, [_series(curves[r["run_id"]], key) for r in arm_rows], arm)
         ax.set(xlabel="step", title=f"{title} (base point; band: range over seeds)")
         ax.legend(fontsize=7)
@@ -270,7 +250,7 @@ def _bars(
 ) -> tuple[str, str] | None:
     if not rows:
         return None
-    arms = _arms(rows)
+    arms = group_by(rows, "arm")
     fig = Figure(figsize=(5 * len(columns), 4))
     axes = fig.subplots(1, len(columns))
     for ax, (column, label) in zip(axes, columns, strict=True):

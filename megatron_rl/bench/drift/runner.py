@@ -140,7 +140,7 @@ def _run_task(
         shutil.rmtree(directory, ignore_errors=True)  # an interrupted attempt starts afresh
         directory.mkdir(parents=True)
         model = None if run.shape is None else base_models.model_path(models_dir, run.shape)
-        recipe = recipe_for(grid, run, model)
+        recipe = run.recipe if model is None else recipe_for(grid, run, model)
         tree = json.loads(json.dumps(dataclasses.asdict(recipe)))  # enums as their values
         tree["run"]["dir"] = str(directory)
         write_text_atomic(recipe_path, yaml.safe_dump(tree, sort_keys=False))

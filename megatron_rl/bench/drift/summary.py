@@ -22,8 +22,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.bench.drift.grid import DriftGrid, recipe_for
-from megatron_rl.bench.drift.runner import CRASHED, read_status, run_dir
+from megatron_rl.bench.drift.grid import DriftGrid, PlannedRun
+from megatron_rl.bench.drift.runner import CRASHED, read_status
 from megatron_rl.files.atomic import write_text_atomic
 
 ACCURACY_DROP = 0.15
@@ -97,11 +97,13 @@ def collapse_events(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
     return sorted(events)
 
 
-def summarize_run(grid: DriftGrid, out: Path, run: Any) -> dict[str, Any]:
-    """The summary row of `run`: its arm, point, seed, state, accuracy, collapses, means."""
-    recipe = recipe_for(grid, run)
+def summarize_run(
+    grid: DriftGrid, out: Path, run: PlannedRun, records: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The summary row of `run` from its per-step `records` (its metrics.jsonl) and status: its
+    arm, point, seed, state, accuracy, collapses, means."""
+    recipe = run.recipe
     status = read_status(out, run) or {"state": "not run", "error": "", "seconds": None}
-    records = read_metrics(run_dir(out, run) / "metrics.jsonl")
     steps = [r for r in records if r["step"] > 0]
     accuracies = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None]
     events = collapse_events(records)
@@ -151,10 +153,6 @@ def _learn_seconds_per_1k_tokens(steps: list[dict[str, Any]]) -> float | None:
         if tokens > 0 and r.get("time/train_s") is not None:
             values.append(1000 * (r["time/train_s"] + (r.get("time/old_logprob_s") or 0)) / tokens)
     return statistics.fmean(values) if values else None
-
-
-def summarize(grid: DriftGrid, out: Path) -> list[dict[str, Any]]:
-    return [summarize_run(grid, out, run) for run in grid.runs]
 
 
 def write_summary_csv(rows: list[dict[str, Any]], path: Path) -> None:
