@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
 from tqdm import tqdm
 
 from megatron_rl.checkpoint.format import (
+    load_weights,
     model_sharded_state_dict,
     read_metadata,
+    save_weights,
     write_metadata,
 )
 from megatron_rl.files.atomic import staged_directory
@@ -59,7 +60,7 @@ def hf_to_mcore(
             source.checkpoint.close()
         (staging / "weights").mkdir(exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(model_sharded_state_dict(model), str(staging / "weights"))
+        save_weights(model_sharded_state_dict(model), staging / "weights")
         if dist.get_rank() == 0:
             write_metadata(staging, family, config, source.checkpoint.directory)
 
@@ -80,7 +81,7 @@ def mcore_to_hf(
     family, config = metadata.family, metadata.config
     model = build_gpt_moe(config, dims, initialize=False)
     wanted = model_sharded_state_dict(model, metadata.format_version)
-    loaded = dist_checkpointing.load(wanted, str(ckpt / "weights"))
+    loaded = load_weights(wanted, ckpt)
     # A training checkpoint also holds the optimizer's state; only the model's is read.
     model.load_state_dict({key: value for key, value in loaded.items() if key in wanted})
     export_hf(

@@ -11,17 +11,23 @@ write this layout.
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_rl.files.hf_checkpoint import asset_files, copy_assets
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import FAMILIES
 from megatron_rl.models.families.base import ModelFamily
+from megatron_rl.process import children
 
 FORMAT_VERSION = 2
 METADATA = "megatron_rl.json"
@@ -45,16 +51,76 @@ def model_sharded_state_dict(
     return model.sharded_state_dict(metadata=None if keys is None else dict(keys))
 
 
+# megatron-core's writer hands its results back through a queue that it creates once per process
+# in a spawned multiprocessing.Manager: a server process (with a resource tracker beside it) that
+# stays until the process exits and, after a SIGKILL, for ever. Every save here is synchronous,
+# so the queue never leaves this process, and an in-process one carries the results.
+filesystem_async._results_queue = queue.Queue()
+
+
+def save_weights(state: ShardedStateDict, weights_dir: Path) -> None:
+    """`dist_checkpointing.save` of `state` into `weights_dir` (a collective). Its writer
+    processes are killed when the save is cut (an error, a stop signal)."""
+    try:
+        dist_checkpointing.save(state, str(weights_dir))
+    except BaseException:
+        children.kill_forked()
+        raise
+
+
+def load_weights(state: ShardedStateDict, ckpt: Path) -> dict[str, Any]:
+    """`dist_checkpointing.load` of `state` from checkpoint `ckpt`'s weights, checked first
+    (`check_weights`) so that a damaged file is named rather than met as an EOFError."""
+    check_weights(ckpt)
+    return dist_checkpointing.load(state, str(ckpt / "weights"))
+
+
+def check_weights(ckpt: Path) -> None:
+    """Raise a ValueError naming the file when checkpoint `ckpt`'s `weights/` is incomplete:
+    megatron-core's metadata.json and common.pt, torch.distributed.checkpoint's index
+    (`.metadata`), and every data file at least as long as the index says."""
+    weights = ckpt / "weights"
+    readers = {
+        "metadata.json": lambda: json.loads((weights / "metadata.json").read_text()),
+        "common.pt": lambda: torch.load(weights / "common.pt", weights_only=False),
+        ".metadata": lambda: FileSystemReader(str(weights)).read_metadata(),
+    }
+    contents = {}
+    for name, read in readers.items():
+        if not (weights / name).is_file():
+            raise ValueError(f"{weights / name}: missing; {ckpt} is not a complete checkpoint")
+        try:
+            contents[name] = read()
+        except Exception as error:
+            reason = f"{type(error).__name__}: {str(error).split('. ')[0]}"
+            raise ValueError(f"{weights / name}: damaged ({reason}); {ckpt} is unusable") from None
+    needed: dict[str, int] = {}
+    for info in contents[".metadata"].storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        path = weights / name
+        if not path.is_file():
+            raise ValueError(f"{path}: missing; {ckpt} is not a complete checkpoint")
+        if path.stat().st_size < size:
+            raise ValueError(
+                f"{path}: truncated ({path.stat().st_size} bytes, its index needs {size}); "
+                f"{ckpt} is damaged"
+            )
+
+
 def write_metadata(ckpt: Path, family: ModelFamily, config: MoEModelConfig, hf_dir: Path) -> None:
     """What makes `ckpt` (with its model in `weights/`) a megatron-rl checkpoint: METADATA and
     `hf/` (config.json and tokenizer files of the Hugging Face checkpoint `hf_dir`)."""
     (ckpt / "hf").mkdir()
     shutil.copy2(hf_dir / "config.json", ckpt / "hf")
-    copy_assets(asset_files(hf_dir), ckpt / "hf")
+    assets = asset_files(hf_dir)
+    copy_assets(assets, ckpt / "hf")
     metadata = {
         "format": FORMAT_VERSION,
         "architecture": family.architecture,
         "model": asdict(config),
+        "hf_files": ["config.json", *(path.name for path in assets)],
     }
     (ckpt / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
 
@@ -93,4 +159,12 @@ def read_metadata(ckpt: Path, *, given_as: str | None = None) -> CheckpointMetad
         )
     if not (ckpt / "weights").is_dir():
         raise ValueError(f"{named}: the weights/ directory is missing")
+    # Checkpoints from before the field existed name no files; config.json is in every one.
+    expected = metadata.get("hf_files", ["config.json"])
+    missing = [name for name in expected if not (ckpt / "hf" / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"{named}: hf/ lacks {', '.join(missing)} (written with the checkpoint); it is "
+            "incomplete"
+        )
     return CheckpointMetadata(FAMILIES[architecture], config, version)

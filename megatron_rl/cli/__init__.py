@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from megatron_rl.cli.arguments import fraction, positive_int
 from megatron_rl.cli.bench import add_bench
 from megatron_rl.cli.known_warnings import WarningRouter
-from megatron_rl.cli.signals import exit_on_sigterm
 from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.process.stop import StopSignals
 
 if TYPE_CHECKING:
     from megatron_rl.parallel.distributed import LaunchEnv
@@ -24,23 +24,38 @@ if TYPE_CHECKING:
 def _train(args: argparse.Namespace) -> int:
     from megatron_rl.config import load_config
     from megatron_rl.parallel.distributed import LaunchEnv
-    from megatron_rl.trainer.loop import TrainingAborted, train
+    from megatron_rl.trainer.loop import RunStopped, TrainingAborted, train
     from megatron_rl.trainer.recipe import Recipe
 
     recipe = load_config(Recipe, args.recipe, args.overrides)
     launch = LaunchEnv.from_environ()
-    args.known_warnings.log_to(
-        Path(recipe.run.dir) / "warnings.log", prefix=f"[rank {launch.rank}] "
-    )
-    exit_on_sigterm()
-    try:
-        metrics = train(recipe, resume=args.resume)
-    except TrainingAborted as error:
-        print(f"megatron-rl: training aborted: {error}", file=sys.stderr)
-        return 3
+    run_dir = _make_run_dir(Path(recipe.run.dir))
+    args.known_warnings.log_to(run_dir / "warnings.log", prefix=f"[rank {launch.rank}] ")
+    with StopSignals(graceful=recipe.checkpoint.save_signal_numbers()) as stop:
+        try:
+            metrics = train(recipe, resume=args.resume, stop=stop)
+        except TrainingAborted as error:
+            print(f"megatron-rl: training aborted: {error}", file=sys.stderr)
+            return 3
+        except RunStopped as stopped:
+            if launch.rank == 0:
+                print(f"megatron-rl: {stopped}; continue it with --resume", file=sys.stderr)
+            return stop.exit_code
+    if stop.exit_code is not None:  # a stop signal's exit that Python swallowed
+        return stop.exit_code
     if launch.rank == 0 and "eval/accuracy" in metrics:
         print(f"held-out accuracy after step {recipe.run.steps}: {metrics['eval/accuracy']:.3f}")
     return 0
+
+
+def _make_run_dir(run_dir: Path) -> Path:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"run.dir {run_dir}: exists and is not a directory") from None
+    except OSError as error:
+        raise ValueError(f"run.dir {run_dir}: cannot be created ({error.strerror})") from None
+    return run_dir
 
 
 def _add_train(commands: argparse._SubParsersAction) -> None:

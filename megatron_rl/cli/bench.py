@@ -13,7 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from megatron_rl.cli.arguments import positive_int
-from megatron_rl.cli.signals import exit_on_sigterm
+from megatron_rl.process.stop import StopSignals
 
 
 @dataclass(frozen=True)
@@ -167,16 +167,16 @@ def _bench(args: argparse.Namespace) -> int:
 def _drift(args: argparse.Namespace) -> int:
     from megatron_rl.bench.drift import run_drift_benchmark
 
-    exit_on_sigterm()  # the runs in flight are stopped on the way out
-    report = run_drift_benchmark(
-        args.recipe,
-        args.grid,
-        Path(args.out),
-        jobs=args.jobs,
-        models_dir=Path(args.models_dir),
-        rerun_crashed=args.rerun_crashed,
-        overrides=args.overrides,
-    )
+    with StopSignals():  # SIGTERM and Ctrl-C stop the runs in flight on the way out
+        report = run_drift_benchmark(
+            args.recipe,
+            args.grid,
+            Path(args.out),
+            jobs=args.jobs,
+            models_dir=Path(args.models_dir),
+            rerun_crashed=args.rerun_crashed,
+            overrides=args.overrides,
+        )
     print(f"wrote {report}")
     return 0
 

@@ -4,7 +4,8 @@ A file is written to a temporary sibling, flushed to the disk and renamed over i
 directory (a checkpoint, an export, a set of weights) is written into a staging sibling,
 `.NAME.partial`, and renamed to NAME only when everything in it is complete; an older NAME is
 replaced only after that. A run killed in between leaves the old NAME intact and, at most, the
-staging directory, which the next attempt at the same NAME removes first.
+staging directory, which the next attempt at the same NAME removes first. A stop signal
+(`megatron_rl.process.stop`) does not cut the renames that replace an old NAME.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_rl.parallel.collectives import any_rank, from_rank0
+from megatron_rl.process.stop import uninterrupted
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
@@ -59,8 +61,9 @@ def publish(staging: Path, out: Path) -> None:
     """Move a completed `staging` directory to `out`, replacing an old `out` only after."""
     if out.exists():
         retired = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, retired)
-        os.replace(staging, out)
+        with uninterrupted():  # a stop between the two renames would leave no `out`
+            os.replace(out, retired)
+            os.replace(staging, out)
         shutil.rmtree(retired, ignore_errors=True)
     else:
         os.replace(staging, out)
@@ -93,16 +96,30 @@ def staged_directory(out: Path, *, overwrite: bool, collective: bool = False) ->
         publish(staging, out)
         return
     staging = from_rank0(lambda: _fresh_staging(out, overwrite))
-    failed = True
+    is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
     try:
-        yield staging
-        failed = False
-    finally:
-        failed_somewhere = any_rank(failed)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            if failed_somewhere:
-                shutil.rmtree(staging, ignore_errors=True)
-            else:
-                publish(staging, out)
-        if dist.is_initialized():
-            dist.barrier()
+        try:
+            yield staging
+        except Exception:
+            _finish_together(staging, out, failed=True, is_rank0=is_rank0)
+            raise
+        _finish_together(staging, out, failed=False, is_rank0=is_rank0)
+    except (SystemExit, KeyboardInterrupt):
+        # A stop: the other ranks are stopping as well, wherever they were, so no collective
+        # follows (it could pair with another one, or wait for ever). Unless it came after
+        # the publishing renames, the staging directory is still there.
+        if is_rank0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _finish_together(staging: Path, out: Path, *, failed: bool, is_rank0: bool) -> None:
+    """Rank 0 publishes `staging` as `out` when no rank `failed`, else removes it (a collective)."""
+    failed_somewhere = any_rank(failed)
+    if is_rank0:
+        if failed_somewhere:
+            shutil.rmtree(staging, ignore_errors=True)
+        else:
+            publish(staging, out)
+    if dist.is_initialized():
+        dist.barrier()

@@ -13,8 +13,13 @@
 A checkpoint is written into `.step_000020.partial` and renamed when every rank has finished
 (`megatron_rl.files.atomic.staged_directory`), and `latest` is replaced atomically after that:
 a run killed while saving keeps its previous checkpoint. Only the newest `keep` checkpoints
-stay. A checkpoint resumes at the layout and with the optimizer it was saved with
-(`check_resumable`).
+stay; an old one is renamed to `.step_000010.removing` before it is removed, so that a kill
+leaves either the whole checkpoint or a hidden folder. The next run removes what killed runs left
+(`clear_leftovers`), and resumes from the newest checkpoint whose files are whole
+(`checkpoint_to_resume`; a `step_N` directory exists only once complete, so `latest`, which is
+rewritten to it, is for people and tools), with damaged newer ones renamed `step_N.damaged` and
+named. A checkpoint resumes at the layout
+and with the optimizer it was saved with (`check_resumable`).
 """
 
 from __future__ import annotations
@@ -22,19 +27,23 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
 
 from megatron_rl.checkpoint.format import (
     FORMAT_VERSION,
+    check_weights,
+    load_weights,
     model_sharded_state_dict,
     read_metadata,
+    save_weights,
     write_metadata,
 )
 from megatron_rl.files.atomic import staged_directory, write_text_atomic
@@ -47,6 +56,9 @@ from megatron_rl.trainer.optimizer_state import (
 from megatron_rl.trainer.policy import Policy
 
 LATEST = "latest"
+_STEP_NAME = re.compile(r"step_(\d+)")
+# What cut saves and removals leave: staging, half-removed checkpoints, `latest`'s temporary files.
+LEFTOVERS = (".step_*.partial", ".step_*.removing", ".step_*.old-*", f".{LATEST}.*.tmp")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -79,9 +91,9 @@ def save_checkpoint(
     with staged_directory(final, overwrite=True, collective=True) as staging:
         (staging / "weights").mkdir(exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(
+        save_weights(
             _sharded_state(policy, is_loading=False, format_version=FORMAT_VERSION),
-            str(staging / "weights"),
+            staging / "weights",
         )
         rng_path = staging / f"rng_rank{dist.get_rank()}.pt"
         with open(rng_path, "wb") as handle:
@@ -102,21 +114,89 @@ def save_checkpoint(
             write_text_atomic(staging / "trainer.json", json.dumps(state, indent=2) + "\n")
     if dist.get_rank() == 0:
         write_text_atomic(directory / LATEST, final.name + "\n")
-        for old in sorted(directory.glob("step_*"))[:-keep]:
-            shutil.rmtree(old)
+        prune(directory, keep=keep, newest=final)
     dist.barrier()
     return final
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    """The newest complete checkpoint under `directory`, or None when there is none."""
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """The complete checkpoints (`step_N` with its trainer.json) under `directory`, oldest
+    first by step."""
+    found = [
+        (int(match[1]), path)
+        for path in directory.glob("step_*")
+        if (match := _STEP_NAME.fullmatch(path.name)) and (path / "trainer.json").is_file()
+    ]
+    return [path for _, path in sorted(found)]
+
+
+def prune(directory: Path, *, keep: int, newest: Path) -> None:
+    """Keep `newest` (the one just written, which `latest` names) and the `keep - 1` highest
+    steps of the others; each one removed is renamed out of the way first (the module
+    docstring)."""
+    others = [path for path in complete_checkpoints(directory) if path != newest]
+    for old in others[: max(0, len(others) - (keep - 1))]:
+        removing = directory / f".{old.name}.removing"
+        os.replace(old, removing)
+        shutil.rmtree(removing)
+
+
+def clear_leftovers(directory: Path) -> list[Path]:
+    """Remove what saves and removals cut short left under `directory` (LEFTOVERS); returns
+    what was removed."""
+    removed = [path for pattern in LEFTOVERS for path in sorted(directory.glob(pattern))]
+    for path in removed:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return removed
+
+
+def checkpoint_to_resume(directory: Path) -> Path | None:
+    """The newest checkpoint under `directory` whose files are whole, or None when there is
+    none (the module docstring); `latest` is rewritten when it named another or was missing."""
     pointer = directory / LATEST
-    if not pointer.is_file():
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    for path in reversed(complete_checkpoints(directory)):
+        try:
+            check_weights(path)
+        except ValueError as error:
+            damaged = path.with_name(f"{path.name}.damaged")
+            os.replace(path, damaged)
+            _say(f"{error}; it is kept as {damaged.name}, and an older checkpoint is tried")
+            continue
+        if path.name != named:
+            _say(f"{pointer}: {'named ' + named if named else 'missing'}; resuming {path.name}")
+            write_text_atomic(pointer, path.name + "\n")
+        return path
+    return None
+
+
+def resume_point(run_dir: Path, *, resume: bool) -> Path | None:
+    """Rank 0: the checkpoint a run in `run_dir` starts from (None: step 0), after removing
+    what interrupted saves left. Without `resume`, a directory that holds an earlier run (a
+    checkpoint, or metrics) is refused; with it, the newest whole checkpoint is chosen
+    (`checkpoint_to_resume`)."""
+    checkpoints = run_dir / "checkpoints"
+    found = complete_checkpoints(checkpoints)
+    earlier = f"checkpoints up to {found[-1].name}" if found else None
+    if earlier is None and (run_dir / "metrics.jsonl").is_file():
+        earlier = "metrics.jsonl, no checkpoint"
+    if earlier is not None and not resume:
+        raise ValueError(
+            f"run.dir {run_dir}: holds an earlier run ({earlier}); pass --resume to continue "
+            "it (from step 0 when it saved no checkpoint), or choose another run.dir"
+        )
+    if not checkpoints.is_dir():
         return None
-    path = directory / pointer.read_text().strip()
-    if not (path / "trainer.json").is_file():
-        raise ValueError(f"{pointer}: names {path.name}, which is not a complete checkpoint")
-    return path
+    for leftover in clear_leftovers(checkpoints):
+        _say(f"removed {leftover}, left by an interrupted save")
+    return checkpoint_to_resume(checkpoints) if resume else None
+
+
+def _say(message: str) -> None:
+    print(f"megatron-rl: {message}", file=sys.stderr, flush=True)
 
 
 def check_resumable(
@@ -153,9 +233,8 @@ def load_checkpoint(path: Path, policy: Policy) -> tuple[int, dict[str, Any]]:
     state = json.loads((path / "trainer.json").read_text())
     check_resumable(path, state, policy.dims, is_distributed(policy.optimizer))
     format_version = read_metadata(path, given_as="checkpoint").format_version
-    loaded = dist_checkpointing.load(
-        _sharded_state(policy, is_loading=True, format_version=format_version),
-        str(path / "weights"),
+    loaded = load_weights(
+        _sharded_state(policy, is_loading=True, format_version=format_version), path
     )
     policy.model.module.load_state_dict(loaded["model"])
     load_optimizer_state(policy.optimizer, loaded["optimizer"])

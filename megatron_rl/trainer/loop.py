@@ -17,13 +17,15 @@ import torch.distributed as dist
 
 from megatron_rl.checkpoint.convert import export_hf
 from megatron_rl.files.hf_checkpoint import read_config
+from megatron_rl.parallel.collectives import any_rank, from_rank0
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, shutdown_distributed
+from megatron_rl.process.stop import StopSignals
 from megatron_rl.rewards import Problem, ProblemSource, Verifier, get_verifier, problem_source
 from megatron_rl.rollout.backends import open_engine
 from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.evaluate import held_out_accuracy
-from megatron_rl.trainer.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.trainer.checkpoints import load_checkpoint, resume_point, save_checkpoint
 from megatron_rl.trainer.learner import learn
 from megatron_rl.trainer.metrics import (
     ConsoleSink,
@@ -44,14 +46,26 @@ class TrainingAborted(RuntimeError):
     """The run cannot go on (e.g. too many consecutive non-finite steps)."""
 
 
-def train(recipe: Recipe, *, resume: bool = False) -> dict[str, float]:
-    """Run `recipe` to its last step; returns the last step's metrics (on rank 0)."""
+class RunStopped(Exception):
+    """A signal asked the run to stop after its step; the step's checkpoint is saved."""
+
+    def __init__(self, step: int, checkpoint: Path) -> None:
+        super().__init__(f"stopped after step {step}; its checkpoint is {checkpoint}")
+        self.step, self.checkpoint = step, checkpoint
+
+
+def train(
+    recipe: Recipe, *, resume: bool = False, stop: StopSignals | None = None
+) -> dict[str, float]:
+    """Run `recipe` to its last step; returns the last step's metrics (on rank 0). With `stop`
+    (every rank's), a graceful stop signal ends the run after a step and its checkpoint
+    (RunStopped)."""
     launch = LaunchEnv.from_environ()
     dims = ParallelDims.of(recipe.parallel, launch.world_size)
     init_distributed(dims, launch, seed=recipe.run.seed)
     try:
         with ExitStack() as stack:  # the rollout engine's servers and resources
-            return Trainer.build(recipe, dims, stack, resume=resume).run()
+            return Trainer.build(recipe, dims, stack, resume=resume, stop=stop).run()
     finally:
         shutdown_distributed()
 
@@ -67,9 +81,11 @@ class Trainer:
         codec: PromptCodec,
         problems: ProblemSource,
         verifier: Verifier,
+        stop: StopSignals | None = None,
     ) -> None:
         self.recipe, self.policy, self.engine = recipe, policy, engine
         self.codec, self.problems, self.verifier = codec, problems, verifier
+        self.stop = stop
         self.loss_spec = recipe.algo.loss_spec(max_response_len=recipe.rollout.max_new_tokens)
         self.run_dir = Path(recipe.run.dir)
         self.probe = _probe_sequence(codec, problems.eval_problems[0])
@@ -77,11 +93,18 @@ class Trainer:
 
     @classmethod
     def build(
-        cls, recipe: Recipe, dims: ParallelDims, stack: ExitStack, *, resume: bool
+        cls,
+        recipe: Recipe,
+        dims: ParallelDims,
+        stack: ExitStack,
+        *,
+        resume: bool,
+        stop: StopSignals | None = None,
     ) -> Trainer:
         """The policy, the engine (its servers and resources released when `stack` closes)
         serving the policy's weights, and the data; from the newest checkpoint with `resume`."""
         hf_path, run_dir = recipe.model.hf_path, Path(recipe.run.dir)
+        found = from_rank0(lambda: resume_point(run_dir, resume=resume))
         codec = PromptCodec(hf_path, max_prompt_tokens=_max_prompt_tokens(recipe))
         problems = problem_source(
             recipe.data, per_step=recipe.rollout.prompts_per_step, seed=recipe.run.seed
@@ -98,13 +121,7 @@ class Trainer:
                 routing_shape=(policy.config.num_layers, policy.config.router_topk),
                 routed_experts=recipe.algo.routing_replay.uses_engine_routing,
             )
-        trainer = cls(recipe, policy, Rank0Engine(engine), codec, problems, verifier)
-        found = latest_checkpoint(trainer.checkpoint_dir)
-        if found is not None and not resume:
-            raise ValueError(
-                f"run.dir {run_dir}: holds checkpoints of an earlier run ({found.name}); pass "
-                "--resume to continue it, or choose another run.dir"
-            )
+        trainer = cls(recipe, policy, Rank0Engine(engine), codec, problems, verifier, stop)
         if found is not None:
             trainer.start, state = load_checkpoint(found, policy)
             trainer.bad_steps = state["bad_steps"]
@@ -126,7 +143,8 @@ class Trainer:
                 metrics = self.step(step)
                 logger.log(step, metrics)
                 self._count_bad_steps(step, metrics)
-                self._save_if_due(step)
+                saved = self._save_if_due(step)
+                self._stop_if_asked(step, saved)
         if recipe.checkpoint.export_hf:
             self._export()
         return metrics
@@ -192,11 +210,25 @@ class Trainer:
         )
         return {"eval/accuracy": accuracy}
 
-    def _save_if_due(self, step: int) -> None:
+    def _save_if_due(self, step: int) -> Path | None:
+        """The checkpoint of `step` when one is due, saved; else None."""
         checkpoint, last = self.recipe.checkpoint, self.recipe.run.steps
         if step == last or (checkpoint.save_every > 0 and step % checkpoint.save_every == 0):
-            state = {"bad_steps": self.bad_steps}
-            save_checkpoint(self.checkpoint_dir, step, self.policy, state, keep=checkpoint.keep)
+            return self._save(step)
+        return None
+
+    def _save(self, step: int) -> Path:
+        state, keep = {"bad_steps": self.bad_steps}, self.recipe.checkpoint.keep
+        return save_checkpoint(self.checkpoint_dir, step, self.policy, state, keep=keep)
+
+    def _stop_if_asked(self, step: int, saved: Path | None) -> None:
+        """Stop now if a stop signal came: an immediate one that was lost on the way
+        (StopSignals), or a graceful one on any rank, after the step's checkpoint."""
+        if self.stop is None:
+            return
+        self.stop.raise_if_stopping()
+        if any_rank(self.stop.graceful_requested):
+            raise RunStopped(step, saved or self._save(step))
 
     def _export(self) -> None:
         """The final policy as a Hugging Face checkpoint in RUN_DIR/export."""

@@ -10,6 +10,7 @@ Each component defines the section it takes, with each option's default in that 
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 
 from megatron_rl.algo import LOSS_AGG_MODES, get_policy_loss, policy_loss_names
@@ -17,6 +18,7 @@ from megatron_rl.config import ConfigError, check_positive
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.moe.replay_mode import RoutingReplayMode
 from megatron_rl.parallel.dims import ParallelConfig
+from megatron_rl.process.stop import signal_number
 from megatron_rl.rewards.config import DataConfig
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.trainer.metrics import MetricsConfig
@@ -106,6 +108,14 @@ class RunConfig:
         check_positive("run", self, "steps", "eval_every", "micro_batch_size", "max_bad_steps")
 
 
+# Signals a graceful stop cannot be asked by, and why.
+UNCATCHABLE = {
+    signal.SIGKILL: "cannot be caught",
+    signal.SIGSTOP: "cannot be caught",
+    signal.SIGINT: "(Ctrl-C) always stops at once",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Distributed checkpoints of the whole training state, and the final export."""
@@ -116,10 +126,28 @@ class CheckpointConfig:
     """Checkpoints kept on disk (the newest ones)."""
     export_hf: bool = True
     """Export the final policy to RUN_DIR/export as a Hugging Face checkpoint."""
+    save_on_signals: list[str] = field(default_factory=lambda: ["SIGUSR1"])
+    """Signals that stop the run after its step and a checkpoint (SLURM's `--signal`); SIGTERM
+    may be one. Any other stop signal stops it at once (docs/training.md, Failures)."""
 
     def validate(self) -> None:
         if self.save_every < 0 or self.keep < 1:
             raise ConfigError("checkpoint.save_every: expected >= 0; checkpoint.keep: >= 1")
+        self.save_signal_numbers()
+
+    def save_signal_numbers(self) -> list[int]:
+        """`save_on_signals` as signal numbers."""
+        numbers = []
+        for index, name in enumerate(self.save_on_signals):
+            key = f"checkpoint.save_on_signals[{index}]"
+            try:
+                number = signal_number(name)
+            except ValueError as error:
+                raise ConfigError(f"{key}: {error}") from None
+            if number in UNCATCHABLE:
+                raise ConfigError(f"{key}: {name} {UNCATCHABLE[number]}")
+            numbers.append(number)
+        return numbers
 
 
 @dataclass(frozen=True, kw_only=True)

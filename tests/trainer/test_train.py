@@ -168,7 +168,8 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     assert train_cli(tmp_path, ["run.steps=1"]).returncode == 0
     again = train_cli(tmp_path, ["run.steps=1"])
     assert again.returncode == 2
-    assert "holds checkpoints of an earlier run" in again.stderr and "--resume" in again.stderr
+    assert "holds an earlier run (checkpoints up to step_000001)" in again.stderr
+    assert "--resume" in again.stderr
     assert (tmp_path / "checkpoints" / "step_000001" / "trainer.json").is_file()
 
 

@@ -29,6 +29,7 @@ import yaml
 from megatron_rl.bench.drift import base_models
 from megatron_rl.bench.drift.grid import DriftGrid, GridError, PlannedRun, recipe_for
 from megatron_rl.files.atomic import write_text_atomic
+from megatron_rl.process import children
 
 DONE, CRASHED = "done", "crashed"
 
@@ -220,6 +221,7 @@ class _Scheduler:
                 env=self.env,
                 start_new_session=True,
             )
+            children.started_group(process.pid)
             self.running.append((task, process, log, time.monotonic()))
 
     def _reap(self) -> None:
@@ -229,6 +231,7 @@ class _Scheduler:
             if code is None:
                 continue
             self.running.remove(entry)
+            children.stopped_group(process.pid)
             log.close()
             seconds = time.monotonic() - began
             error = "" if code == 0 else _error_line(task.log)
@@ -264,6 +267,7 @@ class _Scheduler:
             except subprocess.TimeoutExpired:
                 _signal_group(process, signal.SIGKILL)
                 process.wait()
+            children.stopped_group(process.pid)
             log.close()
         self.running.clear()
 

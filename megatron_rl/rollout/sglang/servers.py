@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_rl.process import children
 from megatron_rl.rollout.sglang.config import SGLangConfig
 from megatron_rl.rollout.sglang.http import RetryPolicy, ServerConnection, SGLangError
 
@@ -137,6 +138,7 @@ class ManagedServer:
                 env=env,
                 start_new_session=True,
             )
+            children.started_group(self.process.pid)
             log.write(f"=== pid {self.process.pid}\n".encode())
         self.starts += 1
 
@@ -179,6 +181,7 @@ class ManagedServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
             break
+        children.stopped_group(pid)
         self.process = None
 
     def log_tail(self, lines: int = 20) -> str:

@@ -1,0 +1,90 @@
+"""No process a run starts outlives it, whatever ends the run.
+
+megatron-core's checkpoint writer forks one process per write bucket. A process forked from here
+on (after `leave_signals_to_parent`) is killed by the kernel when its parent dies, even by
+SIGKILL (Linux's parent-death signal), and leaves the stop signals to its parent: the immediate
+ones take their default action (a writer cut by Ctrl-C dies instead of unwinding into a queue
+its parent no longer reads), the graceful ones are ignored (the parent finishes the save).
+Process groups this one starts with `subprocess` (rollout servers) are registered
+(`started_group`) so that a stop that runs out of time kills them too (`kill_all`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Iterable
+
+_PR_SET_PDEATHSIG = 1
+_IMMEDIATE = (signal.SIGTERM, signal.SIGINT)
+
+_ignored_in_children: frozenset[int] = frozenset()
+_hook_registered = False
+_parent_pid = os.getpid()  # the forking process, as the child sees it
+_groups: set[int] = set()
+
+
+def leave_signals_to_parent(*, ignored: Iterable[int] = ()) -> None:
+    """From now on a forked child dies with this process and does not handle the stop signals
+    itself; `ignored` signals (the graceful ones) it ignores."""
+    global _ignored_in_children, _hook_registered
+    _ignored_in_children = frozenset(ignored)
+    if not _hook_registered:
+        os.register_at_fork(before=_remember_parent, after_in_child=_in_forked_child)
+        _hook_registered = True
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies; exit at once if the parent
+    `parent_pid` is already gone (it may die between the fork and this call)."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _remember_parent() -> None:
+    global _parent_pid
+    _parent_pid = os.getpid()
+
+
+def _in_forked_child() -> None:
+    die_with_parent(_parent_pid)
+    _groups.clear()
+    for signum in (*_IMMEDIATE, *_ignored_in_children):
+        handler = signal.SIG_IGN if signum in _ignored_in_children else signal.SIG_DFL
+        with contextlib.suppress(ValueError):  # forked from another thread than the main one
+            signal.signal(signum, handler)
+
+
+def started_group(pgid: int) -> None:
+    """Process group `pgid` (a server started in a session of its own) is this run's."""
+    _groups.add(pgid)
+
+
+def stopped_group(pgid: int) -> None:
+    """Process group `pgid` was stopped."""
+    _groups.discard(pgid)
+
+
+def kill_forked() -> None:
+    """SIGKILL every live child forked by `multiprocessing` (checkpoint writers) and reap it."""
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)
+        child.join(timeout=5.0)
+
+
+def kill_all() -> None:
+    """SIGKILL the forked children and every registered process group (a last resort)."""
+    for pgid in list(_groups):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)

@@ -1,0 +1,164 @@
+"""How a command stops when it is signalled: at once within a bound, or after its step.
+
+An *immediate* signal (SIGTERM, SIGINT) unwinds the command like an error, `SystemExit(128 +
+signum)`, so that its own cleanup stops what it started (rollout servers, the staging directory of
+a checkpoint being written). Three things keep that bounded and honest:
+
+- sections that must not be cut halfway (the renames that publish a checkpoint, the `latest`
+  pointer, the removal of an old checkpoint) defer the exit to their end (`uninterrupted()`);
+- Python only prints an exception raised inside a finalizer or a fork hook and goes on, so the
+  request is also kept: a watchdog thread sends the signal again every NUDGE_S seconds (ignored
+  while the exit unwinds), `raise_if_stopping()` raises it again, and the command's exit status
+  is 128 + signum whatever happened (`exit_code`);
+- the watchdog ends the process `deadline_s` after the signal if unwinding has not: it kills the
+  processes this one started (`children.kill_all`) and calls `os._exit`.
+
+A *graceful* signal (the recipe's `checkpoint.save_on_signals`, for SLURM's `--signal`) only
+asks: the trainer finishes its step, saves a checkpoint and stops (`graceful_requested`). A
+second signal, of any kind, is immediate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from types import FrameType
+
+from megatron_rl.process import children
+
+STOP_DEADLINE_S = 30.0
+NUDGE_S = 3.0
+IMMEDIATE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+# Signals are delivered to the main thread, between two of its bytecodes; these say whether it
+# is inside an `uninterrupted()` section and which exit waits for the section's end.
+_open_sections = 0
+_deferred_exit: int | None = None
+
+
+def signal_number(name: str) -> int:
+    """The number of signal `name` (`SIGUSR1`, `USR1`); ValueError naming the valid ones."""
+    upper = name.upper()
+    full = upper if upper.startswith("SIG") else f"SIG{upper}"
+    try:
+        return int(signal.Signals[full])
+    except KeyError:
+        valid = ", ".join(sorted(member.name for member in signal.Signals))
+        raise ValueError(f"unknown signal {name!r}; valid: {valid}") from None
+
+
+class StopSignals:
+    """The stop signals' handlers while the `with` block runs (the previous ones after).
+
+    `graceful`: signal numbers that ask for a stop after the step (not SIGINT: Ctrl-C stops now).
+    """
+
+    def __init__(
+        self, *, graceful: Iterable[int] = (), deadline_s: float = STOP_DEADLINE_S
+    ) -> None:
+        self.graceful = frozenset(graceful)
+        self.deadline_s = deadline_s
+        self.signum: int | None = None
+        self.immediate = False
+        self._previous: dict[int, object] = {}
+        self._watchdog: threading.Thread | None = None
+
+    def __enter__(self) -> StopSignals:
+        for signum in {*IMMEDIATE_SIGNALS, *self.graceful}:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        children.leave_signals_to_parent(ignored=self.graceful)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    @property
+    def exit_code(self) -> int | None:
+        """128 + the number of the signal that stops the command (the immediate one, if any
+        came); None before a signal."""
+        return None if self.signum is None else 128 + self.signum
+
+    @property
+    def graceful_requested(self) -> bool:
+        """A stop after the step was asked (and no immediate one)."""
+        return self.signum is not None and not self.immediate
+
+    def raise_if_stopping(self) -> None:
+        """Raise the immediate stop again if one came (its first raise may have been lost)."""
+        if self.immediate:
+            raise SystemExit(self.exit_code)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None and signum in self.graceful:
+            self.signum = signum
+            _say(f"{signal.Signals(signum).name}: the run stops after this step's checkpoint")
+            return
+        if _unwinding():
+            return  # its cleanup (stopping servers, removing staging) goes on, within the bound
+        if not self.immediate:
+            # The watchdog first: another signal may come while this handler runs.
+            self.signum, self.immediate = signum, True
+            self._start_watchdog()
+            _say(f"{signal.Signals(signum).name}: stopping within {self.deadline_s:g} s")
+        _exit_now_or_after_section(self.exit_code)
+
+    def _start_watchdog(self) -> None:
+        """Until the deadline, the signal again every NUDGE_S (an exit that Python swallowed is
+        raised anew; one that is unwinding ignores it); then kill what is left and exit."""
+        signum, main = self.signum, threading.main_thread().ident
+        deadline = time.monotonic() + self.deadline_s
+
+        def watch() -> None:
+            while (left := deadline - time.monotonic()) > 0:
+                time.sleep(min(NUDGE_S, left))
+                if left > NUDGE_S:
+                    signal.pthread_kill(main, signum)
+            _say(f"not stopped {self.deadline_s:g} s after the signal; killing what is left")
+            children.kill_all()
+            os._exit(128 + signum)
+
+        self._watchdog = threading.Thread(target=watch, name="stop-watchdog", daemon=True)
+        self._watchdog.start()
+
+
+def _unwinding() -> bool:
+    """The main thread is unwinding from a stop: the signal handler runs inside the `except`,
+    `finally` or `__exit__` code that the stop's exception passes through."""
+    return isinstance(sys.exc_info()[1], SystemExit | KeyboardInterrupt)
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """A section that an immediate stop does not cut: the exit comes at its end. Keep it short:
+    the watchdog's deadline still runs."""
+    global _open_sections, _deferred_exit
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals only interrupt the main thread
+        return
+    _open_sections += 1
+    try:
+        yield
+    finally:
+        _open_sections -= 1
+    if _open_sections == 0 and _deferred_exit is not None:
+        code, _deferred_exit = _deferred_exit, None
+        raise SystemExit(code)
+
+
+def _exit_now_or_after_section(code: int) -> None:
+    global _deferred_exit
+    if _open_sections:
+        _deferred_exit = code
+        return
+    raise SystemExit(code)
+
+
+def _say(message: str) -> None:
+    print(f"megatron-rl: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,153 @@
+"""Stop signals and SIGKILL at the moments of a real checkpoint save, on real `megatron-rl train`
+runs (tests/trainer/stop_worker.py sends the signal): each run ends within the bound with 128 +
+the signal's number, leaves no process behind (its process group is checked by id) and either a
+complete checkpoint or none, and a graceful signal saves and resumes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from megatron_rl.process.stop import STOP_DEADLINE_S
+from tests.trainer.run_cli import (
+    REPO,
+    read_metrics,
+    train_cli,
+    train_command,
+    train_environment,
+)
+
+SAVE_EVERY_STEP = ["checkpoint.save_every=1"]
+# What a run takes at most beyond the bound: exiting the interpreter after the unwinding.
+EXIT_SLACK_S = 10.0
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`, by /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid pgrp ...; comm may hold spaces, so split after its ")"
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # exited meanwhile
+        if int(pgrp) == pgid and state != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(_group_members(pgid))
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _start(
+    run_dir: Path, moment: str, signame: str, overrides: list[str], stderr: IO[str]
+) -> subprocess.Popen:
+    """The stop worker's run, the leader of a process group of its own."""
+    train = train_command(run_dir, overrides, 1, False)[3:]  # after `python -m MODULE`
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.trainer.stop_worker", moment, signame, *train],
+        cwd=REPO,
+        env=train_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        start_new_session=True,
+    )
+
+
+def _run_signalled(run_dir: Path, moment: str, signame: str) -> tuple[int, float, str]:
+    """The run's exit code, the seconds from the signal to its exit, and its stderr; a hang
+    past the bound fails (and its group is killed)."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        process = _start(run_dir, moment, signame, SAVE_EVERY_STEP, stderr)
+        try:
+            code = process.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            code = None
+        ended = time.time()
+        _kill_group(process.pid)
+        process.wait()
+        stderr.seek(0)
+        log = stderr.read()
+    assert code is not None, f"the run hung after {signame} at {moment}:\n{log[-3000:]}"
+    signalled = re.search(r"stop_worker: signalled at ([\d.]+)", log)
+    assert signalled, log[-3000:]
+    assert not _group_alive(process.pid), "a process of the run outlived it"
+    return code, ended - float(signalled[1]), log
+
+
+NONE, SAVED, PUBLISHED = [], ["latest", "step_000001"], ["step_000001"]
+
+
+@pytest.mark.parametrize(
+    ("moment", "signame", "outcomes"),
+    [
+        ("writer", "SIGTERM", [NONE]),
+        # the main process may only notice once the writer is done (a signal that arrives in
+        # a fork hook is lost, and sent again by the watchdog after a few seconds)
+        ("waiting", "SIGTERM", [NONE, SAVED]),
+        ("publish", "SIGTERM", [NONE]),
+        ("latest", "SIGTERM", [PUBLISHED]),
+        ("writer", "SIGINT", [NONE]),
+    ],
+)
+def test_a_stop_signal_during_a_save_ends_the_run_within_the_bound(
+    tmp_path, moment, signame, outcomes
+):
+    code, seconds, log = _run_signalled(tmp_path, moment, signame)
+    assert code == 128 + signal.Signals[signame], log[-3000:]
+    assert seconds < STOP_DEADLINE_S + EXIT_SLACK_S, (seconds, log[-3000:])
+    # The save in flight is whole or gone: no staging stays, nor a `latest` naming nothing.
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(path.name for path in checkpoints.iterdir()) in outcomes
+    for path in checkpoints.glob("step_*"):
+        assert (path / "trainer.json").is_file()
+
+
+def test_a_graceful_signal_saves_after_the_step_and_the_run_resumes(tmp_path):
+    code, _, log = _run_signalled(tmp_path, "step", "SIGUSR1")
+    assert code == 128 + signal.SIGUSR1, log[-3000:]
+    assert "stopped after step 1" in log and "--resume" in log
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_000001"
+    assert sorted(read_metrics(tmp_path)) == [0, 1]
+    resumed = train_cli(tmp_path, SAVE_EVERY_STEP, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(read_metrics(tmp_path)) == [0, 1, 2]  # each step once
+
+
+def test_sigkill_during_a_save_leaves_no_process_behind(tmp_path):
+    with tempfile.TemporaryFile("w+") as stderr:
+        process = _start(tmp_path, "hold", "SIGKILL", SAVE_EVERY_STEP, stderr)
+        try:
+            deadline = time.monotonic() + 180
+            while not (tmp_path / "writing").is_file():
+                assert process.poll() is None and time.monotonic() < deadline, "no save began"
+                time.sleep(0.1)
+            writer = int((tmp_path / "writing").read_text())
+            os.kill(process.pid, signal.SIGKILL)  # the main process alone, as `kill -9 PID`
+            process.wait()
+            gone = time.monotonic() + 10
+            while _group_alive(process.pid) and time.monotonic() < gone:
+                time.sleep(0.1)
+            left = _group_alive(process.pid)
+        finally:
+            _kill_group(process.pid)
+            process.wait()
+    assert writer != process.pid
+    assert not left, "a process of the run (a checkpoint writer, a helper) outlived its SIGKILL"
