@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import types
 import typing
 from pathlib import Path
@@ -62,9 +63,13 @@ def _to_float(value: Any, key: str) -> float:
     try:
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise ValueError
-        return float(value)
+        number = float(value)
     except ValueError:
         raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    # nan passes every range check (each comparison is false), and no option means inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+    return number
 
 
 def _to_str(value: Any, key: str) -> str:
@@ -156,6 +161,11 @@ def _apply_override(tree: dict[str, Any], cls: type, override: str) -> None:
         if not dataclasses.is_dataclass(kind):
             raise ConfigError(f"{'.'.join(parts[: depth + 1])}: is a value, not a section")
         node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(
+                f"{where}: expected a mapping of {kind.__name__} fields, got {node!r}"
+            )
 
 
 def _validate(config: Any) -> None:
@@ -169,14 +179,21 @@ def _validate(config: Any) -> None:
 
 
 def read_yaml_mapping(path: Path, *, given_as: str) -> dict[str, Any]:
-    """The YAML mapping in `path` (empty file: {}); errors name it as `given_as` (`recipe`,
-    `--grid`)."""
+    """The YAML mapping in `path`; errors name it as `given_as` (`recipe`, `--grid`). An empty
+    file is refused: one that sets nothing is more likely a mistake than a wish for every
+    default."""
     if not path.is_file():
         raise ConfigError(f"{given_as} {path}: no such file")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{given_as} {path}: not UTF-8 text (byte {error.start}: {error.reason})"
+        ) from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{given_as} {path}: not valid YAML ({error})") from None
+    if tree is None:
+        raise ConfigError(f"{given_as} {path}: empty (comments at most); expected a mapping")
     if not isinstance(tree, dict):
         raise ConfigError(f"{given_as} {path}: expected a mapping at the top level")
     return tree

@@ -65,6 +65,15 @@ def test_bad_recipe_files(tmp_path):
         load_config(Recipe, _recipe(tmp_path, "- 1\n- 2\n"))
     with pytest.raises(ConfigError, match="algo: expected a mapping of AlgoConfig fields"):
         load_config(Recipe, _recipe(tmp_path, "algo: gspo\n"))
+    # a section given as a value, then overridden inside
+    with pytest.raises(ConfigError, match="run: expected a mapping of RunConfig fields, got 5"):
+        load_config(Recipe, _recipe(tmp_path, "run: 5\n"), ["run.dir=/tmp/x"])
+    with pytest.raises(ConfigError, match=r"recipe .*recipe\.yaml: empty"):
+        load_config(Recipe, _recipe(tmp_path, "# nothing set\n"))
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"recipe .*latin1\.yaml: not UTF-8 text \(byte 16"):
+        load_config(Recipe, latin1)
 
 
 def test_every_shipped_recipe_loads_and_validates():
@@ -89,6 +98,11 @@ def test_every_shipped_recipe_loads_and_validates():
         (["data.source=jsonl"], r"data\.train_path and data\.eval_path: required"),
         (["run.steps=0"], r"run\.steps: expected > 0"),
         (["optim.lr=0"], r"optim\.lr: expected > 0"),
+        (["optim.lr=inf"], r"optim\.lr: expected a finite number, got 'inf'"),
+        (["optim.lr=nan"], r"optim\.lr: expected a finite number, got 'nan'"),
+        (["optim.adam_beta2=1.5"], r"optim\.adam_beta2: expected in \[0, 1\), got 1\.5"),
+        (["checkpoint.save_on_signals=[SIGFOO]"], r"save_on_signals\[0\]: unknown signal 'SIGFOO'"),
+        (["checkpoint.save_on_signals=[SIGINT]"], r"save_on_signals\[0\]: SIGINT \(Ctrl-C\)"),
         (["metrics.wandb=maybe"], r"metrics\.wandb: expected one of 'auto'"),
         (["model.dispatcher=flex"], r"model\.dispatcher: expected one of 'alltoall'"),
         (

@@ -17,6 +17,7 @@ PACKAGE = REPO / "megatron_rl"
 # Lowest first. A module's layer is its top-level name under megatron_rl/.
 LAYERS = (
     "algo",
+    "process",
     "config",
     "rewards",
     "parallel",

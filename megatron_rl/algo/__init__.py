@@ -8,6 +8,7 @@ from megatron_rl.algo.aggregation import DEFAULT_LOSS_AGG, LOSS_AGG_MODES, polic
 from megatron_rl.algo.losses import (
     POLICY_LOSSES,
     PolicyLoss,
+    PolicyLossSpec,
     compute_policy_loss,
     get_policy_loss,
     policy_loss_names,
@@ -22,6 +23,7 @@ __all__ = [
     "POLICY_LOSSES",
     "GroupAdvantages",
     "PolicyLoss",
+    "PolicyLossSpec",
     "compute_policy_loss",
     "extreme_token_frac",
     "get_policy_loss",

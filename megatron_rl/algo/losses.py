@@ -309,6 +309,16 @@ def _check_denominator(value: object) -> None:
         raise ValueError(f"loss_denominator: expected a positive number, got {value!r}")
 
 
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """Which policy loss, its clip range and its options (see `compute_policy_loss`)."""
+
+    name: str
+    clip_low: float
+    clip_high: float
+    options: dict[str, Any] = field(default_factory=dict)
+
+
 def compute_policy_loss(
     name: str,
     logp: Tensor,

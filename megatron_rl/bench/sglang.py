@@ -132,7 +132,7 @@ def _rollout_speed(
     context = read_config(Path(hf_dir)).get("max_position_embeddings", 4096)
     codec = PromptCodec(hf_dir, max_prompt_tokens=context - recipe.rollout.max_new_tokens)
     problems = ArithmeticTask().problems("eval", spec.rollout_prompts, seed=0)
-    prompts = [codec.encode_prompt(problem.prompt) for problem in problems]
+    prompts = [codec.encode_prompt(problem.prompt, origin=problem.origin) for problem in problems]
     params = SamplingParams(
         temperature=recipe.rollout.temperature,
         max_new_tokens=recipe.rollout.max_new_tokens,

@@ -10,9 +10,11 @@ write this layout.
 
 from __future__ import annotations
 
+import errno
 import json
 import queue
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,8 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-from torch.distributed.checkpoint import FileSystemReader
 
+from megatron_rl.files.distcp import check_weights
 from megatron_rl.files.hf_checkpoint import asset_files, copy_assets
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import FAMILIES
@@ -60,12 +62,39 @@ filesystem_async._results_queue = queue.Queue()
 
 def save_weights(state: ShardedStateDict, weights_dir: Path) -> None:
     """`dist_checkpointing.save` of `state` into `weights_dir` (a collective). Its writer
-    processes are killed when the save is cut (an error, a stop signal)."""
+    processes are killed when the save is cut (an error, a stop signal); a save that failed
+    for want of space says so (megatron-core's writers report it as a bare position mismatch)."""
     try:
         dist_checkpointing.save(state, str(weights_dir))
-    except BaseException:
+    except BaseException as error:
         children.kill_forked()
+        if isinstance(error, Exception):
+            _raise_if_out_of_space(state, weights_dir)
         raise
+
+
+def _raise_if_out_of_space(state: ShardedStateDict, weights_dir: Path) -> None:
+    needed = sum(tensor.nbytes for tensor in _local_tensors(state))
+    free = shutil.disk_usage(weights_dir).free
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left for the checkpoint (this rank writes about {needed / 2**20:.0f} "
+            f"MiB, {free / 2**20:.0f} MiB are free)",
+            str(weights_dir),
+        ) from None
+
+
+def _local_tensors(state: Any) -> Iterator[torch.Tensor]:
+    """The tensors of this rank's shards in a (nested) sharded state dict."""
+    if isinstance(state, dict):
+        for value in state.values():
+            yield from _local_tensors(value)
+    elif isinstance(state, list | tuple):
+        for value in state:
+            yield from _local_tensors(value)
+    elif isinstance(getattr(state, "data", None), torch.Tensor):
+        yield state.data
 
 
 def load_weights(state: ShardedStateDict, ckpt: Path) -> dict[str, Any]:
@@ -73,40 +102,6 @@ def load_weights(state: ShardedStateDict, ckpt: Path) -> dict[str, Any]:
     (`check_weights`) so that a damaged file is named rather than met as an EOFError."""
     check_weights(ckpt)
     return dist_checkpointing.load(state, str(ckpt / "weights"))
-
-
-def check_weights(ckpt: Path) -> None:
-    """Raise a ValueError naming the file when checkpoint `ckpt`'s `weights/` is incomplete:
-    megatron-core's metadata.json and common.pt, torch.distributed.checkpoint's index
-    (`.metadata`), and every data file at least as long as the index says."""
-    weights = ckpt / "weights"
-    readers = {
-        "metadata.json": lambda: json.loads((weights / "metadata.json").read_text()),
-        "common.pt": lambda: torch.load(weights / "common.pt", weights_only=False),
-        ".metadata": lambda: FileSystemReader(str(weights)).read_metadata(),
-    }
-    contents = {}
-    for name, read in readers.items():
-        if not (weights / name).is_file():
-            raise ValueError(f"{weights / name}: missing; {ckpt} is not a complete checkpoint")
-        try:
-            contents[name] = read()
-        except Exception as error:
-            reason = f"{type(error).__name__}: {str(error).split('. ')[0]}"
-            raise ValueError(f"{weights / name}: damaged ({reason}); {ckpt} is unusable") from None
-    needed: dict[str, int] = {}
-    for info in contents[".metadata"].storage_data.values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, size in sorted(needed.items()):
-        path = weights / name
-        if not path.is_file():
-            raise ValueError(f"{path}: missing; {ckpt} is not a complete checkpoint")
-        if path.stat().st_size < size:
-            raise ValueError(
-                f"{path}: truncated ({path.stat().st_size} bytes, its index needs {size}); "
-                f"{ckpt} is damaged"
-            )
 
 
 def write_metadata(ckpt: Path, family: ModelFamily, config: MoEModelConfig, hf_dir: Path) -> None:

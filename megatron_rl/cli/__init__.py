@@ -23,13 +23,19 @@ if TYPE_CHECKING:
 
 def _train(args: argparse.Namespace) -> int:
     from megatron_rl.config import load_config
+    from megatron_rl.trainer.recipe import Recipe
+    from megatron_rl.trainer.run_dir import refuse_earlier_run
+
+    # The recipe and the run directory are checked before megatron-core is imported: a
+    # mistake shows in a moment.
+    recipe = load_config(Recipe, args.recipe, args.overrides)
+    run_dir = _make_run_dir(Path(recipe.run.dir))
+    if not args.resume:
+        refuse_earlier_run(run_dir)
     from megatron_rl.parallel.distributed import LaunchEnv
     from megatron_rl.trainer.loop import RunStopped, TrainingAborted, train
-    from megatron_rl.trainer.recipe import Recipe
 
-    recipe = load_config(Recipe, args.recipe, args.overrides)
     launch = LaunchEnv.from_environ()
-    run_dir = _make_run_dir(Path(recipe.run.dir))
     args.known_warnings.log_to(run_dir / "warnings.log", prefix=f"[rank {launch.rank}] ")
     with StopSignals(graceful=recipe.checkpoint.save_signal_numbers()) as stop:
         try:
@@ -66,7 +72,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         "algo.loss=grpo rollout.group_size=8 (docs/training.md lists every field).",
     )
     parser.add_argument("recipe", help="YAML recipe, e.g. examples/moe/tiny_gspo.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides")
+    parser.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides")
     parser.add_argument(
         "--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest if any"
     )
@@ -153,9 +159,11 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
     from megatron_rl.checkpoint import convert
     from megatron_rl.checkpoint.format import read_metadata
     from megatron_rl.files.atomic import check_output_dir
+    from megatron_rl.files.distcp import check_weights
     from megatron_rl.parallel.distributed import init_distributed, shutdown_distributed
 
     read_metadata(Path(args.ckpt), given_as="--ckpt")
+    check_weights(Path(args.ckpt))
     check_output_dir(Path(args.out), overwrite=args.overwrite)
     launch, dims = _layout(args)
     init_distributed(dims, launch)
@@ -219,8 +227,20 @@ def main(argv: list[str] | None = None) -> int:
     # Before the subcommand imports megatron-core, which warns at import.
     args.known_warnings = WarningRouter(verbose=getattr(args, "verbose", False))
     args.known_warnings.install()
+    from megatron_rl.rollout.sglang.http import SGLangError
+
     try:
         return args.handler(args)
-    except ValueError as error:
+    except ValueError as error:  # the command line, a recipe, an input file
         print(f"megatron-rl: error: {error}", file=sys.stderr)
         return 2
+    except (OSError, SGLangError) as error:  # the machine: a disk, a server
+        print(f"megatron-rl: error: {_one_line(error)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(error: Exception) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        where = error.filename if error.filename is not None else type(error).__name__
+        return f"{where}: {error.strerror}"
+    return str(error)

@@ -189,7 +189,9 @@ def _add_drift(benches: argparse._SubParsersAction) -> None:
         "summary.csv, plots and report.md with the claims checked (docs/drift.md).",
     )
     parser.add_argument("recipe", help="base recipe, e.g. examples/moe/tiny_gspo.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides of the recipe")
+    parser.add_argument(
+        "overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides of the recipe"
+    )
     parser.add_argument("--grid", default=None, help="grid file (default: the built-in grid)")
     parser.add_argument("--out", default="runs/bench/drift", help="results directory")
     parser.add_argument("--jobs", type=positive_int, default=1, help="runs at once (1 thread each)")

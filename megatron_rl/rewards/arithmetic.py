@@ -40,6 +40,8 @@ class Problem:
     prompt: str
     solution: str
     reference: str
+    origin: str = ""
+    """Where it comes from (`FILE:LINE` for a prompt file's), for error messages."""
 
 
 def solve(prompt: str) -> Problem:

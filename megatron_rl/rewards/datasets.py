@@ -70,9 +70,8 @@ def _problem(record: dict[str, object], prompt_key: str, answer_key: str, where:
     prompt = record[prompt_key]
     if not isinstance(prompt, str) or not prompt.strip():
         raise DatasetError(f"{where}: {prompt_key!r}: expected a non-empty string, got {prompt!r}")
-    return Problem(
-        prompt=prompt, solution="", reference=_answer_text(record[answer_key], answer_key, where)
-    )
+    reference = _answer_text(record[answer_key], answer_key, where)
+    return Problem(prompt=prompt, solution="", reference=reference, origin=where)
 
 
 def _answer_text(answer: object, answer_key: str, where: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -10,6 +11,10 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.rollout.sglang import RetryPolicy, ServerGroup, SGLangEngine, make_weight_sync
+from megatron_rl.rollout.sglang.http import ServerConnection
+
+# How long a server the user started gets to answer its first /health.
+REACHABLE_WITHIN_S = 10.0
 
 
 def open_engine(
@@ -32,6 +37,10 @@ def open_engine(
         return LocalEngine.from_pretrained(hf_path, max_batch_size=rollout.max_batch_size)
     config = rollout.sglang
     urls, managed = list(config.urls), None
+    for url in urls:
+        _check_answers(url, "rollout.sglang.urls")
+    if config.router_url:
+        _check_answers(config.router_url, "rollout.sglang.router_url")
     if not urls:
         servers = ServerGroup(config, hf_path, run_dir / "sglang", routed_experts=routed_experts)
         managed = stack.enter_context(servers)
@@ -58,3 +67,22 @@ def open_engine(
     checkpoint.close()
     stack.callback(engine.close)
     return engine
+
+
+def _check_answers(url: str, key: str, within_s: float = REACHABLE_WITHIN_S) -> None:
+    """Refuse a server the user named (`key`) that does not answer /health within `within_s`,
+    before the run waits on it request by request."""
+    connection = ServerConnection(url)
+    deadline = time.monotonic() + within_s
+    attempts = 0
+    while True:
+        attempts += 1
+        if connection.ping(timeout_s=min(5.0, within_s)):
+            return
+        if time.monotonic() + 1.0 > deadline:
+            raise ValueError(
+                f"{key}: {url} does not answer GET /health ({attempts} attempts in "
+                f"{within_s:g} s); start that server, or leave rollout.sglang.urls empty to "
+                "have the trainer start its own"
+            )
+        time.sleep(1.0)

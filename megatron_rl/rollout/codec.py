@@ -30,14 +30,19 @@ class PromptCodec:
     def stop_token_ids(self) -> tuple[int, ...]:
         return (self.tokenizer.eos_token_id,)
 
-    def encode_prompt(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+    def encode_prompt(self, text: str, *, origin: str = "") -> list[int]:
+        """The token ids of prompt `text`; errors name it and `origin` (`FILE:LINE`)."""
+        named = f"{origin + ': ' if origin else ''}prompt {text[:40]!r}"
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        except Exception as error:  # the tokenizers library raises bare Exceptions
+            raise ValueError(f"{named}: the tokenizer cannot encode it ({error})") from None
         if not ids:
-            raise ValueError(f"prompt {text!r}: encodes to no tokens")
+            raise ValueError(f"{named}: encodes to no tokens")
         if len(ids) > self.max_prompt_tokens:
             raise ValueError(
-                f"prompt {text[:40]!r}...: {len(ids)} tokens, longer than the "
-                f"{self.max_prompt_tokens} allowed (context length minus rollout.max_new_tokens)"
+                f"{named}: {len(ids)} tokens, longer than the {self.max_prompt_tokens} "
+                "allowed (context length minus rollout.max_new_tokens)"
             )
         return ids
 

@@ -36,7 +36,7 @@ def collect_rollouts(
 ) -> Rollouts:
     """Generate `group_size` responses per problem and score each with `verifier`."""
     groups = engine.generate(
-        [codec.encode_prompt(problem.prompt) for problem in problems],
+        [codec.encode_prompt(problem.prompt, origin=problem.origin) for problem in problems],
         params,
         n=group_size,
         seed=seed,

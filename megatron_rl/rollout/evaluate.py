@@ -22,7 +22,9 @@ def held_out_accuracy(
     params = SamplingParams(
         temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=codec.stop_token_ids
     )
-    groups = engine.generate([codec.encode_prompt(p.prompt) for p in problems], params)
+    groups = engine.generate(
+        [codec.encode_prompt(p.prompt, origin=p.origin) for p in problems], params
+    )
     responses = [codec.decode(group[0].response_ids) for group in groups]
     scores = score_responses(
         verifier,

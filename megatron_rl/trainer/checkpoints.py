@@ -27,8 +27,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,7 +37,6 @@ import torch.distributed as dist
 
 from megatron_rl.checkpoint.format import (
     FORMAT_VERSION,
-    check_weights,
     load_weights,
     model_sharded_state_dict,
     read_metadata,
@@ -47,6 +44,7 @@ from megatron_rl.checkpoint.format import (
     write_metadata,
 )
 from megatron_rl.files.atomic import staged_directory, write_text_atomic
+from megatron_rl.files.distcp import check_weights
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.trainer.optimizer_state import (
     is_distributed,
@@ -54,11 +52,13 @@ from megatron_rl.trainer.optimizer_state import (
     optimizer_sharded_state_dict,
 )
 from megatron_rl.trainer.policy import Policy
-
-LATEST = "latest"
-_STEP_NAME = re.compile(r"step_(\d+)")
-# What cut saves and removals leave: staging, half-removed checkpoints, `latest`'s temporary files.
-LEFTOVERS = (".step_*.partial", ".step_*.removing", ".step_*.old-*", f".{LATEST}.*.tmp")
+from megatron_rl.trainer.run_dir import (
+    LATEST,
+    clear_leftovers,
+    complete_checkpoints,
+    prune,
+    refuse_earlier_run,
+)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -119,40 +119,6 @@ def save_checkpoint(
     return final
 
 
-def complete_checkpoints(directory: Path) -> list[Path]:
-    """The complete checkpoints (`step_N` with its trainer.json) under `directory`, oldest
-    first by step."""
-    found = [
-        (int(match[1]), path)
-        for path in directory.glob("step_*")
-        if (match := _STEP_NAME.fullmatch(path.name)) and (path / "trainer.json").is_file()
-    ]
-    return [path for _, path in sorted(found)]
-
-
-def prune(directory: Path, *, keep: int, newest: Path) -> None:
-    """Keep `newest` (the one just written, which `latest` names) and the `keep - 1` highest
-    steps of the others; each one removed is renamed out of the way first (the module
-    docstring)."""
-    others = [path for path in complete_checkpoints(directory) if path != newest]
-    for old in others[: max(0, len(others) - (keep - 1))]:
-        removing = directory / f".{old.name}.removing"
-        os.replace(old, removing)
-        shutil.rmtree(removing)
-
-
-def clear_leftovers(directory: Path) -> list[Path]:
-    """Remove what saves and removals cut short left under `directory` (LEFTOVERS); returns
-    what was removed."""
-    removed = [path for pattern in LEFTOVERS for path in sorted(directory.glob(pattern))]
-    for path in removed:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    return removed
-
-
 def checkpoint_to_resume(directory: Path) -> Path | None:
     """The newest checkpoint under `directory` whose files are whole, or None when there is
     none (the module docstring); `latest` is rewritten when it named another or was missing."""
@@ -175,19 +141,12 @@ def checkpoint_to_resume(directory: Path) -> Path | None:
 
 def resume_point(run_dir: Path, *, resume: bool) -> Path | None:
     """Rank 0: the checkpoint a run in `run_dir` starts from (None: step 0), after removing
-    what interrupted saves left. Without `resume`, a directory that holds an earlier run (a
-    checkpoint, or metrics) is refused; with it, the newest whole checkpoint is chosen
+    what interrupted saves left. Without `resume`, a directory that holds an earlier run is
+    refused (`refuse_earlier_run`); with it, the newest whole checkpoint is chosen
     (`checkpoint_to_resume`)."""
+    if not resume:
+        refuse_earlier_run(run_dir)
     checkpoints = run_dir / "checkpoints"
-    found = complete_checkpoints(checkpoints)
-    earlier = f"checkpoints up to {found[-1].name}" if found else None
-    if earlier is None and (run_dir / "metrics.jsonl").is_file():
-        earlier = "metrics.jsonl, no checkpoint"
-    if earlier is not None and not resume:
-        raise ValueError(
-            f"run.dir {run_dir}: holds an earlier run ({earlier}); pass --resume to continue "
-            "it (from step 0 when it saved no checkpoint), or choose another run.dir"
-        )
     if not checkpoints.is_dir():
         return None
     for leftover in clear_leftovers(checkpoints):

@@ -9,7 +9,7 @@ import math
 import torch
 from megatron.core import parallel_state
 
-from megatron_rl.algo import EXTREME_RATIO_TAUS, extreme_token_frac, get_policy_loss
+from megatron_rl.algo import EXTREME_RATIO_TAUS, PolicyLossSpec, extreme_token_frac, get_policy_loss
 from megatron_rl.moe.drift import routing_bytes
 from megatron_rl.parallel.stages import from_last_stage
 from megatron_rl.trainer.batches import EngineRouting, RolloutBatch, micro_batches, minibatch_rows
@@ -17,7 +17,7 @@ from megatron_rl.trainer.metrics import StepTimer
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 from megatron_rl.trainer.policy import Policy, UpdateResult, metric_reduction
 from megatron_rl.trainer.recipe import AlgoConfig
-from megatron_rl.trainer.schedule import OldPolicy, PolicyLossSpec
+from megatron_rl.trainer.schedule import OldPolicy
 
 
 def learn(

@@ -110,6 +110,8 @@ class Trainer:
             recipe.data, per_step=recipe.rollout.prompts_per_step, seed=recipe.run.seed
         )
         verifier = get_verifier(recipe.data.verifier)
+        for problem in (*problems.train, *problems.eval_problems):  # a bad prompt fails now
+            codec.encode_prompt(problem.prompt, origin=problem.origin)
         policy = Policy(recipe.model, dims, recipe.optim)
         engine = None
         if dist.get_rank() == 0:
@@ -280,7 +282,7 @@ def _probe_sequence(codec: PromptCodec, problem: Problem) -> list[int]:
     """The weight-sync probe: a held-out prompt and its ideal response (or reference answer),
     as token ids."""
     response = problem.solution or problem.reference
-    ids = codec.encode_prompt(problem.prompt) + codec.tokenizer.encode(
+    ids = codec.encode_prompt(problem.prompt, origin=problem.origin) + codec.tokenizer.encode(
         response, add_special_tokens=False
     )
     return ids[: codec.max_prompt_tokens]

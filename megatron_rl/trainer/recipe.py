@@ -3,7 +3,7 @@
 Each component defines the section it takes, with each option's default in that one place:
 `model` (megatron_rl.models.config), `parallel` (megatron_rl.parallel.dims), `rollout` and
 `rollout.sglang` (megatron_rl.rollout.config, megatron_rl.rollout.sglang.config), `optim`
-(megatron_rl.trainer.optimizer), `data` (megatron_rl.rewards.config), `metrics`
+(megatron_rl.trainer.optimizer_config), `data` (megatron_rl.rewards.config), `metrics`
 (megatron_rl.trainer.metrics). The trainer's own, `algo`, `run` and `checkpoint`, are here.
 `megatron_rl.config.load_config(Recipe, path, overrides)` reads one.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 
-from megatron_rl.algo import LOSS_AGG_MODES, get_policy_loss, policy_loss_names
+from megatron_rl.algo import LOSS_AGG_MODES, PolicyLossSpec, get_policy_loss, policy_loss_names
 from megatron_rl.config import ConfigError, check_positive
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.moe.replay_mode import RoutingReplayMode
@@ -22,8 +22,7 @@ from megatron_rl.process.stop import signal_number
 from megatron_rl.rewards.config import DataConfig
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.trainer.metrics import MetricsConfig
-from megatron_rl.trainer.optimizer import OptimConfig
-from megatron_rl.trainer.schedule import PolicyLossSpec
+from megatron_rl.trainer.optimizer_config import OptimConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ total in `finalize_model_grads`: gradient accumulation and DP give the gradient 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -22,7 +22,12 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from megatron_rl.algo import DEFAULT_LOSS_AGG, compute_policy_loss, policy_loss_denominator
+from megatron_rl.algo import (
+    DEFAULT_LOSS_AGG,
+    PolicyLossSpec,
+    compute_policy_loss,
+    policy_loss_denominator,
+)
 from megatron_rl.moe.replay import RoutingReplay
 from megatron_rl.parallel.collectives import host_all_reduce
 from megatron_rl.parallel.logprobs import vocab_parallel_logprobs
@@ -31,16 +36,6 @@ from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 # (index of the micro-batch, the micro-batch the caller holds, its copy on the model's device) ->
 # the schedule's loss function of the model's output
 MakeLossFunc = Callable[[int, PolicyMicroBatch, PolicyMicroBatch], Callable[[Tensor], Any]]
-
-
-@dataclass(frozen=True)
-class PolicyLossSpec:
-    """Which policy loss, its clip range and its options (see `compute_policy_loss`)."""
-
-    name: str
-    clip_low: float
-    clip_high: float
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 def policy_loss_func(

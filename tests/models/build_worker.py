@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl.algo import PolicyLossSpec
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
-from megatron_rl.trainer.optimizer import OptimConfig, build_optimizer, wrap_for_training
-from megatron_rl.trainer.schedule import PolicyLossSpec, policy_forward_backward
+from megatron_rl.trainer.optimizer import build_optimizer, wrap_for_training
+from megatron_rl.trainer.optimizer_config import OptimConfig
+from megatron_rl.trainer.schedule import policy_forward_backward
 
 
 def build_and_step(launch: LaunchEnv, config: MoEModelConfig) -> dict:

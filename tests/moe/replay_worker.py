@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import torch
 
+from megatron_rl.algo import PolicyLossSpec
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.moe.drift import routing_drift
 from megatron_rl.moe.replay import RoutingReplay
@@ -13,7 +14,7 @@ from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 from megatron_rl.trainer.optimizer import wrap_for_training
-from megatron_rl.trainer.schedule import PolicyLossSpec, old_policy_pass, policy_forward_backward
+from megatron_rl.trainer.schedule import old_policy_pass, policy_forward_backward
 from tests.parallel.invariance import TINY_MOE, micro_batches
 
 GRPO = PolicyLossSpec("grpo", 0.2, 0.27)

@@ -19,14 +19,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megatron_rl.algo import subsentence_segment_ids
+from megatron_rl.algo import PolicyLossSpec, subsentence_segment_ids
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, set_model_parallel
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
-from megatron_rl.trainer.optimizer import OptimConfig, build_optimizer, wrap_for_training
-from megatron_rl.trainer.schedule import PolicyLossSpec, policy_forward_backward
+from megatron_rl.trainer.optimizer import build_optimizer, wrap_for_training
+from megatron_rl.trainer.optimizer_config import OptimConfig
+from megatron_rl.trainer.schedule import policy_forward_backward
 
 NEWLINE = 1
 TINY_MOE = MoEModelConfig(

@@ -8,11 +8,13 @@ from dataclasses import replace
 import torch
 from megatron.core.optimizer import MegatronOptimizer
 
+from megatron_rl.algo import PolicyLossSpec
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, set_model_parallel
-from megatron_rl.trainer.optimizer import OptimConfig, build_optimizer, wrap_for_training
-from megatron_rl.trainer.schedule import PolicyLossSpec, policy_forward_backward
+from megatron_rl.trainer.optimizer import build_optimizer, wrap_for_training
+from megatron_rl.trainer.optimizer_config import OptimConfig
+from megatron_rl.trainer.schedule import policy_forward_backward
 from tests.parallel.invariance import TINY_MOE, micro_batches
 
 STEPS = 3

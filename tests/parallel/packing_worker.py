@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 
-from megatron_rl.algo import subsentence_segment_ids
+from megatron_rl.algo import PolicyLossSpec, subsentence_segment_ids
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
-from megatron_rl.trainer.schedule import PolicyLossSpec, policy_loss_func
+from megatron_rl.trainer.schedule import policy_loss_func
 
 VOCAB, NEWLINE = 32, 1
 

@@ -11,7 +11,7 @@ import torch
 from megatron.core import parallel_state
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.algo import group_advantages
+from megatron_rl.algo import PolicyLossSpec, group_advantages
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.moe.replay_mode import RoutingReplayMode
 from megatron_rl.parallel.dims import ParallelDims
@@ -23,10 +23,9 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.trainer.batches import build_rollout_batch, micro_batches
-from megatron_rl.trainer.optimizer import OptimConfig
+from megatron_rl.trainer.optimizer_config import OptimConfig
 from megatron_rl.trainer.policy import Policy
 from megatron_rl.trainer.rank0_engine import Rank0Engine
-from megatron_rl.trainer.schedule import PolicyLossSpec
 from megatron_rl.trainer.weight_sync import WeightSyncMismatch, sync_weights
 from tests.parallel.optimizer_worker import main_weights
 

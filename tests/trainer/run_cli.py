@@ -3,14 +3,11 @@ its metrics; every process started here is stopped by its PID."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from tests.parallel.harness import free_port
@@ -100,35 +97,6 @@ def train_cli(
         stderr.seek(0)
         process.stdout, process.stderr = stdout.read(), stderr.read()
     return process
-
-
-def train_until_checkpoint(run_dir: Path, overrides: list[str], step: int) -> None:
-    """Start a run, wait until its checkpoint of `step` is complete, then SIGKILL it with its
-    children (megatron-core's checkpoint writer starts helper processes): the run is the
-    leader of its own process group, and the group is killed by its id."""
-    process = subprocess.Popen(
-        train_command(run_dir, list(overrides), 1, False),
-        cwd=REPO,
-        env=train_environment(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    latest = run_dir / "checkpoints" / "latest"
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline:
-            if latest.is_file() and latest.read_text().strip() == f"step_{step:06d}":
-                return
-            if process.poll() is not None:
-                raise AssertionError(f"the run ended before step {step}: {process.stderr.read()}")
-            time.sleep(0.05)
-        raise AssertionError(f"no checkpoint of step {step} within 300 s")
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # the group had already exited
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def finished_run_metrics(

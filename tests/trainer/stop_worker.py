@@ -11,8 +11,8 @@ group (`group`), or to the main process alone. MOMENTs:
     publish   in the main process, just before the checkpoint's staging is renamed (group)
     latest    in the main process, just before `latest` is written (group)
     step      in the main process, during the first step's rollout (group)
-    hold      no signal: a forked writer writes RUN_DIR/writing, then waits 60 s before it
-              writes (for a SIGKILL from outside)
+    hold@N    no signal: at the N-th save, a forked writer writes RUN_DIR/writing (its pid),
+              then waits 60 s before it writes (for a SIGKILL from outside)
 
 The moment a signal is sent is printed to stderr as `stop_worker: signalled at UNIX_TIME`.
 """
@@ -88,12 +88,15 @@ def install(moment: str, signum: int, run_dir: Path) -> None:
         checkpoints.write_text_atomic = write_latest
     elif moment == "step":
         _before(LocalEngine, "generate", group)
-    elif moment == "hold":
+    elif moment.startswith("hold@"):
+        saves, held_save = [], int(moment.removeprefix("hold@"))
 
         def announce_then_wait() -> None:
-            (run_dir / "writing").write_text(str(os.getpid()))
-            time.sleep(60.0)
+            if len(saves) == held_save:  # the writer is forked: it sees the parent's count
+                (run_dir / "writing").write_text(str(os.getpid()))
+                time.sleep(60.0)
 
+        _before(checkpoints, "save_weights", lambda: saves.append(True))
         _before(FileSystemWriterAsync, "write_preloaded_data", announce_then_wait, static=True)
     else:
         raise SystemExit(f"unknown moment {moment!r}")

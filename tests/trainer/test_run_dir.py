@@ -14,14 +14,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_rl.checkpoint.format import METADATA, check_weights, read_metadata, write_metadata
+from megatron_rl.checkpoint.format import METADATA, read_metadata, write_metadata
+from megatron_rl.files.distcp import check_weights
 from megatron_rl.models.hf_source import inspect_hf
-from megatron_rl.trainer.checkpoints import (
-    LATEST,
-    complete_checkpoints,
-    prune,
-    resume_point,
-)
+from megatron_rl.trainer.checkpoints import resume_point
+from megatron_rl.trainer.run_dir import LATEST, complete_checkpoints, prune
 from tests.trainer.run_cli import TINY_MODEL
 
 

@@ -1,11 +1,13 @@
 """Stop signals and SIGKILL at the moments of a real checkpoint save, on real `megatron-rl train`
 runs (tests/trainer/stop_worker.py sends the signal): each run ends within the bound with 128 +
 the signal's number, leaves no process behind (its process group is checked by id) and either a
-complete checkpoint or none, and a graceful signal saves and resumes."""
+complete checkpoint or none; after a graceful signal or a SIGKILL the resumed run repeats the
+uninterrupted one to the last bit."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -28,6 +30,8 @@ from tests.trainer.run_cli import (
 )
 
 SAVE_EVERY_STEP = ["checkpoint.save_every=1"]
+RESUMED_RUN = ["run.steps=3", "checkpoint.save_every=1", "run.eval_every=2"]
+TIMING = ("time/", "throughput/")
 # What a run takes at most beyond the bound: exiting the interpreter after the unwinding.
 EXIT_SLACK_S = 10.0
 
@@ -70,11 +74,13 @@ def _start(
     )
 
 
-def _run_signalled(run_dir: Path, moment: str, signame: str) -> tuple[int, float, str]:
+def _run_signalled(
+    run_dir: Path, moment: str, signame: str, overrides: list[str] = SAVE_EVERY_STEP
+) -> tuple[int, float, str]:
     """The run's exit code, the seconds from the signal to its exit, and its stderr; a hang
     past the bound fails (and its group is killed)."""
     with tempfile.TemporaryFile("w+") as stderr:
-        process = _start(run_dir, moment, signame, SAVE_EVERY_STEP, stderr)
+        process = _start(run_dir, moment, signame, overrides, stderr)
         try:
             code = process.wait(timeout=180)
         except subprocess.TimeoutExpired:
@@ -119,21 +125,43 @@ def test_a_stop_signal_during_a_save_ends_the_run_within_the_bound(
         assert (path / "trainer.json").is_file()
 
 
-def test_a_graceful_signal_saves_after_the_step_and_the_run_resumes(tmp_path):
-    code, _, log = _run_signalled(tmp_path, "step", "SIGUSR1")
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory) -> dict[int, dict[str, float]]:
+    """The metrics of the uninterrupted run that stopped and killed runs must repeat."""
+    run_dir = tmp_path_factory.mktemp("whole")
+    result = train_cli(run_dir, RESUMED_RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_metrics(run_dir)
+
+
+def _check_repeats(whole: dict, run_dir: Path, resumed_steps: tuple[int, ...]) -> None:
+    """`run_dir`'s metrics are `whole`'s, each step logged once, and equal to the last bit
+    (timings aside) for `resumed_steps`."""
+    actual = read_metrics(run_dir)
+    assert sorted(actual) == sorted(whole)
+    for step in resumed_steps:
+        keys = {key for key in whole[step] if not key.startswith(TIMING)}
+        assert keys == {key for key in actual[step] if not key.startswith(TIMING)}
+        for key in keys:
+            assert actual[step][key] == whole[step][key], (step, key)
+
+
+def test_a_graceful_signal_saves_after_the_step_and_the_run_resumes_exactly(tmp_path, whole_run):
+    code, _, log = _run_signalled(tmp_path, "step", "SIGUSR1", RESUMED_RUN)
     assert code == 128 + signal.SIGUSR1, log[-3000:]
     assert "stopped after step 1" in log and "--resume" in log
-    checkpoints = tmp_path / "checkpoints"
-    assert (checkpoints / "latest").read_text().strip() == "step_000001"
-    assert sorted(read_metrics(tmp_path)) == [0, 1]
-    resumed = train_cli(tmp_path, SAVE_EVERY_STEP, resume=True)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    resumed = train_cli(tmp_path, RESUMED_RUN, resume=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert sorted(read_metrics(tmp_path)) == [0, 1, 2]  # each step once
+    # one process: no data-parallel copies, so the plain optimizer (nothing to shard)
+    final = json.loads((tmp_path / "checkpoints" / "step_000003" / "trainer.json").read_text())
+    assert final["distributed_optimizer"] is False
+    _check_repeats(whole_run, tmp_path, (2, 3))
 
 
-def test_sigkill_during_a_save_leaves_no_process_behind(tmp_path):
+def test_sigkill_during_a_save_leaves_no_process_and_the_run_resumes_exactly(tmp_path, whole_run):
     with tempfile.TemporaryFile("w+") as stderr:
-        process = _start(tmp_path, "hold", "SIGKILL", SAVE_EVERY_STEP, stderr)
+        process = _start(tmp_path, "hold@2", "SIGKILL", RESUMED_RUN, stderr)
         try:
             deadline = time.monotonic() + 180
             while not (tmp_path / "writing").is_file():
@@ -145,9 +173,21 @@ def test_sigkill_during_a_save_leaves_no_process_behind(tmp_path):
             gone = time.monotonic() + 10
             while _group_alive(process.pid) and time.monotonic() < gone:
                 time.sleep(0.1)
-            left = _group_alive(process.pid)
+            left = _group_members(process.pid)
         finally:
             _kill_group(process.pid)
             process.wait()
     assert writer != process.pid
-    assert not left, "a process of the run (a checkpoint writer, a helper) outlived its SIGKILL"
+    assert not left, f"processes of the run outlived its SIGKILL: {left}"
+    checkpoints = tmp_path / "checkpoints"
+    assert {path.name for path in checkpoints.iterdir()} >= {"step_000001", ".step_000002.partial"}
+    # a fresh run takes it for an earlier run; --resume clears the staging and goes on from
+    # step 1 (step 2, logged before its save, is logged again, once)
+    fresh = train_cli(tmp_path, RESUMED_RUN)
+    assert fresh.returncode == 2 and "holds an earlier run (checkpoints up to step_000001)" in (
+        fresh.stderr
+    )
+    resumed = train_cli(tmp_path, RESUMED_RUN, resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ".step_000002.partial, left by an interrupted save" in resumed.stderr
+    _check_repeats(whole_run, tmp_path, (2, 3))

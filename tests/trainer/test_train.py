@@ -22,7 +22,6 @@ from tests.trainer.run_cli import (
     finished_run_metrics,
     read_metrics,
     train_cli,
-    train_until_checkpoint,
 )
 
 TIMING = ("time/", "throughput/")
@@ -144,35 +143,6 @@ def _check_known_warnings(stderr: str, log: str, ranks: int, every_entry: bool) 
     assert {f"[rank {rank}]" for rank in range(ranks)} <= set(re.findall(r"\[rank \d+\]", log))
 
 
-def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path):
-    steps = ["run.steps=4", "checkpoint.save_every=2", "run.eval_every=2"]
-    whole = tmp_path / "whole"
-    assert train_cli(whole, steps).returncode == 0
-    killed = tmp_path / "killed"
-    train_until_checkpoint(killed, steps, step=2)
-    resumed = train_cli(killed, steps, resume=True)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    # one process: no data-parallel copies, so the plain optimizer (nothing to shard)
-    trainer = json.loads((killed / "checkpoints" / "step_000004" / "trainer.json").read_text())
-    assert trainer["distributed_optimizer"] is False
-    expected, actual = read_metrics(whole), read_metrics(killed)
-    assert sorted(actual) == [0, 1, 2, 3, 4]
-    for step in (3, 4):
-        keys = {k for k in expected[step] if not k.startswith(TIMING)}
-        assert keys == {k for k in actual[step] if not k.startswith(TIMING)}
-        for key in keys:
-            assert actual[step][key] == expected[step][key], (step, key)
-
-
-def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
-    assert train_cli(tmp_path, ["run.steps=1"]).returncode == 0
-    again = train_cli(tmp_path, ["run.steps=1"])
-    assert again.returncode == 2
-    assert "holds an earlier run (checkpoints up to step_000001)" in again.stderr
-    assert "--resume" in again.stderr
-    assert (tmp_path / "checkpoints" / "step_000001" / "trainer.json").is_file()
-
-
 def test_a_checkpoint_resumes_only_at_its_layout_and_with_its_optimizer(tmp_path):
     assert train_cli(tmp_path, ["run.steps=1"], nproc=2).returncode == 0
     path = tmp_path / "checkpoints" / "step_000001"
@@ -220,6 +190,21 @@ def test_bad_recipes_fail_before_training(tmp_path):
     result = train_cli(tmp_path / "run", [f"model.hf_path={tmp_path / 'missing'}"])
     assert result.returncode == 2
     assert f"model.hf_path {tmp_path / 'missing'}: not a directory" in result.stderr
+    result = train_cli(empty, [])  # run.dir is a file
+    assert result.returncode == 2
+    assert f"run.dir {empty}: exists and is not a directory" in result.stderr
+    # a prompt the tokenizer cannot encode (the tiny vocabulary has no unknown token) is named
+    # with its file and line before the run starts
+    prompts = tmp_path / "prompts.jsonl"
+    lines = ['{"prompt": "1+1\\n", "answer": 2}', '{"prompt": "caf\u00e9\\n", "answer": 1}']
+    prompts.write_text("\n".join(lines) + "\n")
+    result = train_cli(
+        tmp_path / "run",
+        ["data.source=jsonl", f"data.train_path={prompts}", f"data.eval_path={prompts}"],
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{prompts}:2: prompt 'café\\n': the tokenizer cannot encode it" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_non_finite_steps_are_skipped_then_the_run_aborts(tmp_path):
