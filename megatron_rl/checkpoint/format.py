@@ -30,6 +30,7 @@ from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import FAMILIES
 from megatron_rl.models.families.base import ModelFamily
 from megatron_rl.process import children
+from megatron_rl.process.stop import STOPS
 
 FORMAT_VERSION = 2
 METADATA = "megatron_rl.json"
@@ -68,7 +69,8 @@ def save_weights(state: ShardedStateDict, weights_dir: Path) -> None:
         dist_checkpointing.save(state, str(weights_dir))
     except BaseException as error:
         children.kill_forked()
-        if isinstance(error, Exception):
+        # torch.distributed.checkpoint's CheckpointException is a BaseException, not an Exception
+        if not isinstance(error, STOPS):
             _raise_if_out_of_space(state, weights_dir)
         raise
 

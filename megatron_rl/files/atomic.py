@@ -20,7 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_rl.parallel.collectives import any_rank, from_rank0
-from megatron_rl.process.stop import uninterrupted
+from megatron_rl.process.stop import STOPS, uninterrupted
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
@@ -100,11 +100,13 @@ def staged_directory(out: Path, *, overwrite: bool, collective: bool = False) ->
     try:
         try:
             yield staging
-        except Exception:
+        except STOPS:
+            raise
+        except BaseException:  # torch.distributed.checkpoint's errors are BaseExceptions
             _finish_together(staging, out, failed=True, is_rank0=is_rank0)
             raise
         _finish_together(staging, out, failed=False, is_rank0=is_rank0)
-    except (SystemExit, KeyboardInterrupt):
+    except STOPS:
         # A stop: the other ranks are stopping as well, wherever they were, so no collective
         # follows (it could pair with another one, or wait for ever). Unless it came after
         # the publishing renames, the staging directory is still there.

@@ -34,6 +34,8 @@ from megatron_rl.process import children
 STOP_DEADLINE_S = 30.0
 NUDGE_S = 3.0
 IMMEDIATE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# What an immediate stop raises (SystemExit from these handlers, KeyboardInterrupt from Python's).
+STOPS = (SystemExit, KeyboardInterrupt)
 
 # Signals are delivered to the main thread, between two of its bytecodes; these say whether it
 # is inside an `uninterrupted()` section and which exit waits for the section's end.
@@ -131,7 +133,7 @@ class StopSignals:
 def _unwinding() -> bool:
     """The main thread is unwinding from a stop: the signal handler runs inside the `except`,
     `finally` or `__exit__` code that the stop's exception passes through."""
-    return isinstance(sys.exc_info()[1], SystemExit | KeyboardInterrupt)
+    return isinstance(sys.exc_info()[1], STOPS)
 
 
 @contextlib.contextmanager

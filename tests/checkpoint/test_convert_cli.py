@@ -104,13 +104,25 @@ def test_overwrite_replaces_a_finished_conversion(hf, tmp_path):
     assert _leftovers(tmp_path) == []
 
 
-def test_a_checkpoint_of_an_unknown_format_is_refused(hf, tmp_path, capsys):
+def test_a_checkpoint_of_an_unknown_format_or_damaged_is_refused(hf, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     done = _cli("convert", "hf-to-mcore", "--hf", str(hf), "--out", str(ckpt))
     assert done.returncode == 0, done.stderr
     metadata = ckpt / "megatron_rl.json"
-    metadata.write_text(json.dumps(json.loads(metadata.read_text()) | {"format": 99}))
+    written = metadata.read_text()
+    metadata.write_text(json.dumps(json.loads(written) | {"format": 99}))
     out = tmp_path / "back"
-    assert main(["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out)]) == 2
+    to_hf = ["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out)]
+    assert main(to_hf) == 2
     assert "format 99, this version of megatron-rl reads formats 1, 2" in capsys.readouterr().err
+    metadata.write_text(written)
+    # a truncated data file, named before anything is loaded
+    data = sorted((ckpt / "weights").glob("*.distcp"))[-1]
+    data.write_bytes(data.read_bytes()[:100])
+    assert main(to_hf) == 2
+    assert f"{data}: truncated (100 bytes, its index needs" in capsys.readouterr().err
+    # a file lost from hf/ (e.g. by a removal cut short)
+    (ckpt / "hf" / "config.json").unlink()
+    assert main(to_hf) == 2
+    assert "hf/ lacks config.json" in capsys.readouterr().err
     assert not out.exists()

@@ -191,3 +191,32 @@ def test_sigkill_during_a_save_leaves_no_process_and_the_run_resumes_exactly(tmp
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert ".step_000002.partial, left by an interrupted save" in resumed.stderr
     _check_repeats(whole_run, tmp_path, (2, 3))
+
+
+def test_a_full_disk_at_a_save_ends_the_run_in_one_line(tmp_path):
+    """The run directory on an 8 MiB file system of its own (a tmpfs in a private mount
+    namespace: root only), where the first checkpoint does not fit."""
+    run_dir = tmp_path / "small"
+    run_dir.mkdir()
+    mount = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c"]
+    # after the run, what its checkpoints directory holds (the mount ends with the namespace)
+    script = (
+        'mount -t tmpfs -o size=8m tmpfs "$0" || exit 77; shift; "$@"; code=$?; '
+        'echo "left: $(ls -A "$0/checkpoints")"; exit $code'
+    )
+    probe = subprocess.run([*mount, script, str(run_dir), "--", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here: {probe.stderr.decode()[-200:]}")
+    command = train_command(run_dir, SAVE_EVERY_STEP, 1, False)
+    result = subprocess.run(
+        [*mount, script, str(run_dir), "--", *command],
+        cwd=REPO,
+        env=train_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "no space left for the checkpoint (this rank writes about" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "left: "  # the staging directory was removed
