@@ -12,7 +12,6 @@ Tests that change the server's weights put the base weights back (`base_weights`
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import pytest
@@ -64,32 +63,6 @@ def base_weights(sglang_servers):
     connection.post(
         "/update_weights_from_disk", {"model_path": TINY_MODEL, "weight_version": "base"}
     )
-
-
-def live_group_members(pgid: int) -> list[int]:
-    """PIDs of the processes of group `pgid` that still run (zombies, which only wait to be
-    reaped by whoever inherited them, do not count)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state != "Z":
-            members.append(int(stat.parent.name))
-    return members
-
-
-def group_gone(pgid: int, timeout_s: float = 15.0) -> bool:
-    """Whether process group `pgid` has no running process left, waiting up to `timeout_s`
-    (killed processes take a moment to exit)."""
-    deadline = time.monotonic() + timeout_s
-    while live_group_members(pgid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def tiny_tensor_shapes() -> dict[str, tuple[int, ...]]:

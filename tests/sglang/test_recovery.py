@@ -12,7 +12,8 @@ import torch
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.rollout.sglang import SGLangEngine, SGLangError, make_weight_sync
-from tests.sglang.conftest import TINY_MODEL, group_gone, tiny_tensor_shapes
+from tests.processes import group_gone
+from tests.sglang.conftest import TINY_MODEL, tiny_tensor_shapes
 from tests.sglang.test_weight_sync import PROBE, _perturbed_buckets
 
 

@@ -3,18 +3,22 @@ launcher, tests/sglang/fake_launcher; the real server's start is covered by the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.rollout.sglang import ServerGroup, SGLangConfig, SGLangError
-from tests.sglang.conftest import group_gone, live_group_members
+from tests.processes import group_gone, live_group_members
 from tests.sglang.test_http_errors import ScriptedServer, _closed_port
 
 FAKE = Path(__file__).resolve().parent / "fake_launcher"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _servers(
@@ -74,3 +78,23 @@ def test_a_port_that_is_taken_is_not_used():
             _servers("ok", port, "/tmp").start()
     finally:
         taken.close()
+
+
+def test_a_server_is_stopped_when_the_process_that_started_it_is_killed(tmp_path):
+    owner = subprocess.Popen(
+        [sys.executable, "-m", "tests.sglang.server_owner", str(_closed_port()), str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        launcher = int(owner.stdout.readline())
+        assert live_group_members(launcher)
+        owner.kill()  # SIGKILL: no clean-up of its own runs
+        owner.wait()
+        assert group_gone(launcher), "the server outlived the process that started it"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait()

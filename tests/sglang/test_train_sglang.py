@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from tests.sglang.conftest import CPU_RECIPE, REPO, group_gone
+from tests.processes import group_gone
+from tests.sglang.conftest import CPU_RECIPE, REPO
 from tests.trainer.run_cli import finished_run_metrics, train_cli, train_command, train_environment
 
 

@@ -21,6 +21,7 @@ from typing import IO
 import pytest
 
 from megatron_rl.process.stop import STOP_DEADLINE_S
+from tests.processes import group_gone, live_group_members
 from tests.trainer.run_cli import (
     REPO,
     read_metrics,
@@ -34,24 +35,6 @@ RESUMED_RUN = ["run.steps=3", "checkpoint.save_every=1", "run.eval_every=2"]
 TIMING = ("time/", "throughput/")
 # What a run takes at most beyond the bound: exiting the interpreter after the unwinding.
 EXIT_SLACK_S = 10.0
-
-
-def _group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group `pgid`, by /proc."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # pid (comm) state ppid pgrp ...; comm may hold spaces, so split after its ")"
-            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue  # exited meanwhile
-        if int(pgrp) == pgid and state != "Z":
-            members.append(int(stat.parent.name))
-    return members
-
-
-def _group_alive(pgid: int) -> bool:
-    return bool(_group_members(pgid))
 
 
 def _kill_group(pgid: int) -> None:
@@ -86,6 +69,7 @@ def _run_signalled(
         except subprocess.TimeoutExpired:
             code = None
         ended = time.time()
+        outlived = not group_gone(process.pid, timeout_s=5)  # before the clean-up below
         _kill_group(process.pid)
         process.wait()
         stderr.seek(0)
@@ -93,7 +77,7 @@ def _run_signalled(
     assert code is not None, f"the run hung after {signame} at {moment}:\n{log[-3000:]}"
     signalled = re.search(r"stop_worker: signalled at ([\d.]+)", log)
     assert signalled, log[-3000:]
-    assert not _group_alive(process.pid), "a process of the run outlived it"
+    assert not outlived, "a process of the run outlived it"
     return code, ended - float(signalled[1]), log
 
 
@@ -170,10 +154,8 @@ def test_sigkill_during_a_save_leaves_no_process_and_the_run_resumes_exactly(tmp
             writer = int((tmp_path / "writing").read_text())
             os.kill(process.pid, signal.SIGKILL)  # the main process alone, as `kill -9 PID`
             process.wait()
-            gone = time.monotonic() + 10
-            while _group_alive(process.pid) and time.monotonic() < gone:
-                time.sleep(0.1)
-            left = _group_members(process.pid)
+            group_gone(process.pid, timeout_s=10)
+            left = live_group_members(process.pid)
         finally:
             _kill_group(process.pid)
             process.wait()

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from megatron_rl.process import children
+from megatron_rl.process.supervise import supervised_command
 from megatron_rl.rollout.sglang.config import SGLangConfig
 from megatron_rl.rollout.sglang.http import RetryPolicy, ServerConnection, SGLangError
 
@@ -99,6 +100,7 @@ class ManagedServer:
             self.url, RetryPolicy(deadline_s=config.request_deadline_s), alive=self.alive
         )
         self.process: subprocess.Popen | None = None
+        self._lifeline = -1  # the write end of the supervisor's pipe while a process runs
         self.starts = 0
 
     def alive(self) -> bool:
@@ -126,18 +128,28 @@ class ManagedServer:
             self.index,
             routed_experts=self.routed_experts,
         )
+        # The server's group is stopped when this process dies, whatever kills it
+        # (megatron_rl.process.supervise): the pipe's read end goes to the supervisor.
+        watched, self._lifeline = os.pipe()
         with open(self.log_path, "ab") as log:
             command = " ".join(argv)
             log.write(f"\n=== start {self.starts + 1}: {command}\n".encode())
             log.flush()
-            self.process = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
+            try:
+                self.process = subprocess.Popen(
+                    supervised_command(argv, watched),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                    pass_fds=(watched,),
+                )
+            except BaseException:
+                os.close(self._lifeline)
+                raise
+            finally:
+                os.close(watched)
             children.started_group(self.process.pid)
             log.write(f"=== pid {self.process.pid}\n".encode())
         self.starts += 1
@@ -182,6 +194,7 @@ class ManagedServer:
                 os.killpg(pid, signal.SIGKILL)
             break
         children.stopped_group(pid)
+        os.close(self._lifeline)
         self.process = None
 
     def log_tail(self, lines: int = 20) -> str:
