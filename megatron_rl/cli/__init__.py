@@ -57,8 +57,10 @@ def _train(args: argparse.Namespace) -> int:
 def _make_run_dir(run_dir: Path) -> Path:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
+    except FileExistsError:
         raise ValueError(f"run.dir {run_dir}: exists and is not a directory") from None
+    except NotADirectoryError:
+        raise ValueError(f"run.dir {run_dir}: a parent of it is not a directory") from None
     except OSError as error:
         raise ValueError(f"run.dir {run_dir}: cannot be created ({error.strerror})") from None
     return run_dir
@@ -145,6 +147,8 @@ def _convert_hf_to_mcore(args: argparse.Namespace) -> int:
     source = inspect_hf(Path(args.hf), given_as="--hf")
     check_output_dir(Path(args.out), overwrite=args.overwrite)
     launch, dims = _layout(args)
+    if launch.rank == 0:
+        _note_staging_left_beside(Path(args.out))
     init_distributed(dims, launch)
     try:
         convert.hf_to_mcore(source, Path(args.out), dims, overwrite=args.overwrite)
@@ -166,6 +170,8 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
     check_weights(Path(args.ckpt))
     check_output_dir(Path(args.out), overwrite=args.overwrite)
     launch, dims = _layout(args)
+    if launch.rank == 0:
+        _note_staging_left_beside(Path(args.out))
     init_distributed(dims, launch)
     try:
         convert.mcore_to_hf(
@@ -180,6 +186,17 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
     if launch.rank == 0:
         print(f"wrote {args.out}")
     return 0
+
+
+def _note_staging_left_beside(out: Path) -> None:
+    from megatron_rl.files.atomic import staging_left_beside
+
+    for staging, size in staging_left_beside(out):
+        print(
+            f"megatron-rl: note: {staging} ({size / 2**20:.0f} MiB) was left by an interrupted "
+            "conversion or export; remove it unless one is writing it now",
+            file=sys.stderr,
+        )
 
 
 def _add_convert(commands: argparse._SubParsersAction) -> None:
@@ -242,5 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 def _one_line(error: Exception) -> str:
     if isinstance(error, OSError) and error.strerror:
         where = error.filename if error.filename is not None else type(error).__name__
+        if error.filename2 is not None:  # a copy or a rename: from -> to
+            where = f"{where} -> {error.filename2}"
         return f"{where}: {error.strerror}"
     return str(error)

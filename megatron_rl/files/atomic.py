@@ -57,6 +57,19 @@ def check_output_dir(out: Path, *, overwrite: bool) -> None:
         raise ValueError(f"--out {out}: parent directory {out.parent} does not exist")
 
 
+def staging_left_beside(out: Path) -> list[tuple[Path, int]]:
+    """Staging directories of other outputs in `out`'s directory (what killed writes left; one
+    may also be another write in progress), each with its size in bytes. `out`'s own is
+    removed by the next write to `out`."""
+    own = out.parent / f".{out.name}.partial"
+    found = []
+    for staging in sorted(out.parent.glob(".*.partial")):
+        if staging.is_dir() and staging != own:
+            size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
+            found.append((staging, size))
+    return found
+
+
 def publish(staging: Path, out: Path) -> None:
     """Move a completed `staging` directory to `out`, replacing an old `out` only after."""
     if out.exists():
@@ -90,9 +103,9 @@ def staged_directory(out: Path, *, overwrite: bool, collective: bool = False) ->
         staging = _fresh_staging(out, overwrite)
         try:
             yield staging
-        except BaseException:
+        except BaseException as error:
             shutil.rmtree(staging, ignore_errors=True)
-            raise
+            _raise_naming(error, out)
         publish(staging, out)
         return
     staging = from_rank0(lambda: _fresh_staging(out, overwrite))
@@ -102,9 +115,9 @@ def staged_directory(out: Path, *, overwrite: bool, collective: bool = False) ->
             yield staging
         except STOPS:
             raise
-        except BaseException:  # torch.distributed.checkpoint's errors are BaseExceptions
+        except BaseException as error:  # torch.distributed.checkpoint's are BaseExceptions
             _finish_together(staging, out, failed=True, is_rank0=is_rank0)
-            raise
+            _raise_naming(error, out)
         _finish_together(staging, out, failed=False, is_rank0=is_rank0)
     except STOPS:
         # A stop: the other ranks are stopping as well, wherever they were, so no collective
@@ -113,6 +126,14 @@ def staged_directory(out: Path, *, overwrite: bool, collective: bool = False) ->
         if is_rank0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _raise_naming(error: BaseException, out: Path) -> None:
+    """Raise `error` again; an OSError that names no file (a full disk, as safetensors reports
+    it) names `out`, whose write failed."""
+    if isinstance(error, OSError) and error.filename is None and error.strerror:
+        raise OSError(error.errno, error.strerror, str(out)) from error
+    raise error
 
 
 def _finish_together(staging: Path, out: Path, *, failed: bool, is_rank0: bool) -> None:

@@ -4,8 +4,8 @@ An *immediate* signal (SIGTERM, SIGINT) unwinds the command like an error, `Syst
 signum)`, so that its own cleanup stops what it started (rollout servers, the staging directory of
 a checkpoint being written). Three things keep that bounded and honest:
 
-- sections that must not be cut halfway (the renames that publish a checkpoint, the `latest`
-  pointer, the removal of an old checkpoint) defer the exit to their end (`uninterrupted()`);
+- sections that must not be cut halfway (the two renames that replace a published directory)
+  defer the exit to their end (`uninterrupted()`);
 - Python only prints an exception raised inside a finalizer or a fork hook and goes on, so the
   request is also kept: a watchdog thread sends the signal again every NUDGE_S seconds (ignored
   while the exit unwinds), `raise_if_stopping()` raises it again, and the command's exit status
@@ -68,7 +68,7 @@ class StopSignals:
         self.signum: int | None = None
         self.immediate = False
         self._previous: dict[int, object] = {}
-        self._watchdog: threading.Thread | None = None
+        self._left_block = threading.Event()  # no more nudges: the handlers are gone
 
     def __enter__(self) -> StopSignals:
         for signum in {*IMMEDIATE_SIGNALS, *self.graceful}:
@@ -77,6 +77,7 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self._left_block.set()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
@@ -120,14 +121,13 @@ class StopSignals:
         def watch() -> None:
             while (left := deadline - time.monotonic()) > 0:
                 time.sleep(min(NUDGE_S, left))
-                if left > NUDGE_S:
+                if left > NUDGE_S and not self._left_block.is_set():
                     signal.pthread_kill(main, signum)
             _say(f"not stopped {self.deadline_s:g} s after the signal; killing what is left")
             children.kill_all()
             os._exit(128 + signum)
 
-        self._watchdog = threading.Thread(target=watch, name="stop-watchdog", daemon=True)
-        self._watchdog.start()
+        threading.Thread(target=watch, name="stop-watchdog", daemon=True).start()
 
 
 def _unwinding() -> bool:

@@ -38,9 +38,9 @@ def open_engine(
     config = rollout.sglang
     urls, managed = list(config.urls), None
     for url in urls:
-        _check_answers(url, "rollout.sglang.urls")
+        check_answers(url, "rollout.sglang.urls")
     if config.router_url:
-        _check_answers(config.router_url, "rollout.sglang.router_url")
+        check_answers(config.router_url, "rollout.sglang.router_url")
     if not urls:
         servers = ServerGroup(config, hf_path, run_dir / "sglang", routed_experts=routed_experts)
         managed = stack.enter_context(servers)
@@ -69,7 +69,7 @@ def open_engine(
     return engine
 
 
-def _check_answers(url: str, key: str, within_s: float = REACHABLE_WITHIN_S) -> None:
+def check_answers(url: str, key: str, *, within_s: float = REACHABLE_WITHIN_S) -> None:
     """Refuse a server the user named (`key`) that does not answer /health within `within_s`,
     before the run waits on it request by request."""
     connection = ServerConnection(url)

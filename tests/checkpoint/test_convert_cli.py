@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_rl.cli import main
 from tests.checkpoint.tiny_hf import save_tiny
+from tests.small_disk import on_small_disk
 
 
 @pytest.fixture
@@ -112,12 +114,20 @@ def test_a_checkpoint_of_an_unknown_format_or_damaged_is_refused(hf, tmp_path, c
     written = metadata.read_text()
     metadata.write_text(json.dumps(json.loads(written) | {"format": 99}))
     out = tmp_path / "back"
+    killed = tmp_path / ".other.partial"  # what a killed conversion to another --out left
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(bytes(3 * 2**20))
     to_hf = ["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out)]
     assert main(to_hf) == 2
-    assert "format 99, this version of megatron-rl reads formats 1, 2" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "format 99, this version of megatron-rl reads formats 1, 2" in said
     metadata.write_text(written)
-    # a truncated data file, named before anything is loaded
     data = sorted((ckpt / "weights").glob("*.distcp"))[-1]
+    assert main(to_hf) == 0  # noted, not removed: another conversion may be writing it
+    assert f"note: {killed} (3 MiB) was left by an interrupted" in capsys.readouterr().err
+    assert killed.is_dir()
+    shutil.rmtree(out)
+    # a truncated data file, named before anything is loaded
     data.write_bytes(data.read_bytes()[:100])
     assert main(to_hf) == 2
     assert f"{data}: truncated (100 bytes, its index needs" in capsys.readouterr().err
@@ -126,3 +136,19 @@ def test_a_checkpoint_of_an_unknown_format_or_damaged_is_refused(hf, tmp_path, c
     assert main(to_hf) == 2
     assert "hf/ lacks config.json" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_full_disk_ends_a_conversion_in_one_line_and_leaves_nothing(hf, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = str(Path(sys.executable).parent / "megatron-rl")
+    command = [script, "convert", "hf-to-mcore", "--hf", str(hf), "--out", str(disk / "out")]
+    result = subprocess.run(
+        on_small_disk(str(disk), "256k", command), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    (error,) = [line for line in result.stderr.splitlines() if "error" in line]
+    assert error.startswith("megatron-rl: error: ") and str(disk) in error
+    assert error.endswith(": No space left on device")
+    assert result.stdout.splitlines()[-1] == "left: "  # no staging directory, no --out

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_rl.rollout.backends import check_answers
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang import RetryPolicy, ServerConnection, SGLangEngine, SGLangError
 from megatron_rl.rollout.sglang.weight_sync import TensorSync
@@ -99,6 +100,14 @@ def test_a_url_that_never_answers_fails_after_the_deadline_naming_it():
     url = f"http://127.0.0.1:{_closed_port()}"
     with pytest.raises(SGLangError, match=r"127\.0\.0\.1.*POST /generate.*within 1\.5 s.*Connect"):
         ServerConnection(url, QUICK).post("/generate", {})
+
+
+def test_a_server_the_recipe_names_that_does_not_answer_is_refused_at_once():
+    url = f"http://127.0.0.1:{_closed_port()}"
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"rollout\.sglang\.urls: .* does not answer GET /health"):
+        check_answers(url, "rollout.sglang.urls", within_s=2.0)
+    assert time.monotonic() - started < 10
 
 
 def test_a_server_that_accepts_but_never_replies_times_out():

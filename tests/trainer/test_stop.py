@@ -22,6 +22,7 @@ import pytest
 
 from megatron_rl.process.stop import STOP_DEADLINE_S
 from tests.processes import group_gone, live_group_members
+from tests.small_disk import on_small_disk
 from tests.trainer.run_cli import (
     REPO,
     read_metrics,
@@ -176,22 +177,12 @@ def test_sigkill_during_a_save_leaves_no_process_and_the_run_resumes_exactly(tmp
 
 
 def test_a_full_disk_at_a_save_ends_the_run_in_one_line(tmp_path):
-    """The run directory on an 8 MiB file system of its own (a tmpfs in a private mount
-    namespace: root only), where the first checkpoint does not fit."""
-    run_dir = tmp_path / "small"
-    run_dir.mkdir()
-    mount = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c"]
-    # after the run, what its checkpoints directory holds (the mount ends with the namespace)
-    script = (
-        'mount -t tmpfs -o size=8m tmpfs "$0" || exit 77; shift; "$@"; code=$?; '
-        'echo "left: $(ls -A "$0/checkpoints")"; exit $code'
-    )
-    probe = subprocess.run([*mount, script, str(run_dir), "--", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a small file system here: {probe.stderr.decode()[-200:]}")
+    """The checkpoints on 8 MiB of their own, where the first one does not fit."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
     command = train_command(run_dir, SAVE_EVERY_STEP, 1, False)
     result = subprocess.run(
-        [*mount, script, str(run_dir), "--", *command],
+        on_small_disk(str(run_dir / "checkpoints"), "8m", command),
         cwd=REPO,
         env=train_environment(),
         capture_output=True,

@@ -193,6 +193,9 @@ def test_bad_recipes_fail_before_training(tmp_path):
     result = train_cli(empty, [])  # run.dir is a file
     assert result.returncode == 2
     assert f"run.dir {empty}: exists and is not a directory" in result.stderr
+    result = train_cli(empty / "run", [])
+    assert result.returncode == 2
+    assert f"run.dir {empty / 'run'}: a parent of it is not a directory" in result.stderr
     # a prompt the tokenizer cannot encode (the tiny vocabulary has no unknown token) is named
     # with its file and line before the run starts
     prompts = tmp_path / "prompts.jsonl"
