@@ -47,7 +47,7 @@ def _train(args: argparse.Namespace) -> int:
             if launch.rank == 0:
                 print(f"megatron-rl: {stopped}; continue it with --resume", file=sys.stderr)
             return stop.exit_code
-    if stop.exit_code is not None:  # a stop signal's exit that Python swallowed
+    if stop.immediate:  # a stop signal's exit that Python swallowed
         return stop.exit_code
     if launch.rank == 0 and "eval/accuracy" in metrics:
         print(f"held-out accuracy after step {recipe.run.steps}: {metrics['eval/accuracy']:.3f}")

@@ -225,11 +225,12 @@ class Trainer:
 
     def _stop_if_asked(self, step: int, saved: Path | None) -> None:
         """Stop now if a stop signal came: an immediate one that was lost on the way
-        (StopSignals), or a graceful one on any rank, after the step's checkpoint."""
+        (StopSignals), or a graceful one on any rank, after the step's checkpoint (unless this
+        was the last step: the run then ends as it would have)."""
         if self.stop is None:
             return
         self.stop.raise_if_stopping()
-        if any_rank(self.stop.graceful_requested):
+        if any_rank(self.stop.graceful_requested) and step < self.recipe.run.steps:
             raise RunStopped(step, saved or self._save(step))
 
     def _export(self) -> None:
