@@ -65,6 +65,7 @@ def save_weights(state: ShardedStateDict, weights_dir: Path) -> None:
     """`dist_checkpointing.save` of `state` into `weights_dir` (a collective). Its writer
     processes are killed when the save is cut (an error, a stop signal); a save that failed
     for want of space says so (megatron-core's writers report it as a bare position mismatch)."""
+    children.forks_die_with_this_process()
     try:
         dist_checkpointing.save(state, str(weights_dir))
     except BaseException as error:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -138,6 +139,17 @@ def _layout(args: argparse.Namespace) -> tuple[LaunchEnv, ParallelDims]:
     return launch, dims
 
 
+def _stoppable(convert: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`convert` under the stop signals' handlers: SIGTERM and Ctrl-C end it within the bound,
+    its output's staging removed (megatron_rl.process.stop)."""
+
+    def run(args: argparse.Namespace) -> int:
+        with StopSignals():
+            return convert(args)
+
+    return run
+
+
 def _convert_hf_to_mcore(args: argparse.Namespace) -> int:
     from megatron_rl.checkpoint import convert
     from megatron_rl.files.atomic import check_output_dir
@@ -218,7 +230,10 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
     to_hf.add_argument(
         "--max-shard-mib", type=positive_int, default=5 * 1024, help="largest safetensors shard"
     )
-    for direction, handler in ((to_mcore, _convert_hf_to_mcore), (to_hf, _convert_mcore_to_hf)):
+    for direction, handler in (
+        (to_mcore, _stoppable(_convert_hf_to_mcore)),
+        (to_hf, _stoppable(_convert_mcore_to_hf)),
+    ):
         for dim in ("tp", "ep", "pp"):
             direction.add_argument(
                 f"--{dim}", type=positive_int, default=1, help=f"{dim} size (with torchrun)"

@@ -1,7 +1,7 @@
 """No process a run starts outlives it, whatever ends the run.
 
 megatron-core's checkpoint writer forks one process per write bucket. A process forked from here
-on (after `leave_signals_to_parent`) is killed by the kernel when its parent dies, even by
+on (after `forks_die_with_this_process`) is killed by the kernel when its parent dies, even by
 SIGKILL (Linux's parent-death signal), and leaves the stop signals to its parent: the immediate
 ones take their default action (a writer cut by Ctrl-C dies instead of unwinding into a queue
 its parent no longer reads), the graceful ones are ignored (the parent finishes the save).
@@ -28,14 +28,21 @@ _parent_pid = os.getpid()  # the forking process, as the child sees it
 _groups: set[int] = set()
 
 
-def leave_signals_to_parent(*, ignored: Iterable[int] = ()) -> None:
+def forks_die_with_this_process() -> None:
     """From now on a forked child dies with this process and does not handle the stop signals
-    itself; `ignored` signals (the graceful ones) it ignores."""
-    global _ignored_in_children, _hook_registered
-    _ignored_in_children = frozenset(ignored)
+    itself (idempotent; called before anything that forks)."""
+    global _hook_registered
     if not _hook_registered:
         os.register_at_fork(before=_remember_parent, after_in_child=_in_forked_child)
         _hook_registered = True
+
+
+def leave_signals_to_parent(*, ignored: Iterable[int] = ()) -> None:
+    """`forks_die_with_this_process`, and forked children ignore the `ignored` signals (the
+    graceful ones: the parent finishes what they were doing)."""
+    global _ignored_in_children
+    _ignored_in_children = frozenset(ignored)
+    forks_die_with_this_process()
 
 
 def die_with_parent(parent_pid: int) -> None:

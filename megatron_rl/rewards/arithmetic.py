@@ -17,7 +17,7 @@ import math
 import random
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 Split = Literal["train", "eval"]
@@ -40,8 +40,9 @@ class Problem:
     prompt: str
     solution: str
     reference: str
-    origin: str = ""
-    """Where it comes from (`FILE:LINE` for a prompt file's), for error messages."""
+    origin: str = field(default="", compare=False)
+    """Where it comes from (`FILE:LINE` for a prompt file's), for error messages; not part of
+    what the problem is."""
 
 
 def solve(prompt: str) -> Problem:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from megatron_rl.cli import main
 from tests.checkpoint.tiny_hf import save_tiny
 from tests.small_disk import on_small_disk
+from tests.trainer.stop_worker import sigkill_during_save
 
 
 @pytest.fixture
@@ -152,3 +153,12 @@ def test_a_full_disk_ends_a_conversion_in_one_line_and_leaves_nothing(hf, tmp_pa
     assert error.startswith("megatron-rl: error: ") and str(disk) in error
     assert error.endswith(": No space left on device")
     assert result.stdout.splitlines()[-1] == "left: "  # no staging directory, no --out
+
+
+def test_sigkill_during_a_conversion_leaves_no_process_and_only_its_staging(hf, tmp_path):
+    out = tmp_path / "out"
+    args = ["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out)]
+    writer, main, left = sigkill_during_save(1, tmp_path, args)
+    assert writer != main
+    assert not left, f"processes of the conversion outlived its SIGKILL: {left}"
+    assert not out.exists() and _leftovers(tmp_path) == [".out.partial"]

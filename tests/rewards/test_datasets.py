@@ -24,11 +24,14 @@ def test_loads_records_skipping_blank_lines(tmp_path):
         "   \n"
         '{"prompt": "Capital of France?", "answer": "Paris"}',
     )
-    assert load_jsonl_problems(path) == [
+    problems = load_jsonl_problems(path)
+    assert problems == [
         Problem(prompt="What is 6*7?", solution="", reference="42"),
         Problem(prompt="Half of 1?", solution="", reference="0.5"),
         Problem(prompt="Capital of France?", solution="", reference="Paris"),
     ]
+    # each knows its line, for the errors that come later (a prompt the tokenizer cannot encode)
+    assert [problem.origin for problem in problems] == [f"{path}:1", f"{path}:3", f"{path}:5"]
 
 
 def test_custom_keys_and_a_string_path(tmp_path):

@@ -36,15 +36,6 @@ def _check(result, run_dir) -> dict[int, dict[str, float]]:
     return metrics
 
 
-def test_the_cpu_example_recipe_starts_its_own_server(tmp_path):
-    result = train_cli(tmp_path, [], recipe=CPU_RECIPE, timeout=600)
-    _check(result, tmp_path)
-    log = (tmp_path / "sglang" / "sglang_0.log").read_text()
-    assert "--port 30100" in log and "--dtype float32" in log
-    assert "--enable-return-routed-experts" not in log  # only R3 needs the routing
-    assert "Uvicorn running" in log
-
-
 @pytest.mark.parametrize(
     ("method", "overrides"),
     [
@@ -100,9 +91,13 @@ def test_sigterm_stops_the_servers_the_run_started(tmp_path):
         run.wait()
 
 
-def test_two_ranks_with_expert_parallelism_start_a_server_of_their_own(tmp_path):
+def test_the_cpu_example_recipe_on_two_ranks_starts_a_server_of_its_own(tmp_path):
     # The server is started by rank 0 under torchrun: it must not inherit torchrun's variables
     # (it would try to join the trainer's job and hang).
     overrides = ["parallel.ep=2", "rollout.sglang.weight_sync=distributed"]
     result = train_cli(tmp_path, overrides, nproc=2, recipe=CPU_RECIPE, timeout=600)
     _check(result, tmp_path)
+    log = (tmp_path / "sglang" / "sglang_0.log").read_text()
+    assert "--port 30100" in log and "--dtype float32" in log  # the recipe's server
+    assert "--enable-return-routed-experts" not in log  # only R3 needs the routing
+    assert "Uvicorn running" in log

@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import IO
 import pytest
 
 from megatron_rl.process.stop import STOP_DEADLINE_S
-from tests.processes import group_gone, live_group_members
+from tests.processes import group_gone
 from tests.small_disk import on_small_disk
 from tests.trainer.run_cli import (
     REPO,
@@ -30,6 +29,7 @@ from tests.trainer.run_cli import (
     train_command,
     train_environment,
 )
+from tests.trainer.stop_worker import sigkill_during_save, start_worker
 
 SAVE_EVERY_STEP = ["checkpoint.save_every=1"]
 RESUMED_RUN = ["run.steps=3", "checkpoint.save_every=1", "run.eval_every=2"]
@@ -48,14 +48,7 @@ def _start(
 ) -> subprocess.Popen:
     """The stop worker's run, the leader of a process group of its own."""
     train = train_command(run_dir, overrides, 1, False)[3:]  # after `python -m MODULE`
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.trainer.stop_worker", moment, signame, *train],
-        cwd=REPO,
-        env=train_environment(),
-        stdout=subprocess.DEVNULL,
-        stderr=stderr,
-        start_new_session=True,
-    )
+    return start_worker(moment, signame, run_dir, train, stderr)
 
 
 def _run_signalled(
@@ -95,6 +88,8 @@ NONE, SAVED, PUBLISHED = [], ["latest", "step_000001"], ["step_000001"]
         ("publish", "SIGTERM", [NONE]),
         ("latest", "SIGTERM", [PUBLISHED]),
         ("writer", "SIGINT", [NONE]),
+        # a graceful signal: the writers ignore it, the save completes, the run stops after it
+        ("writer", "SIGUSR1", [SAVED]),
     ],
 )
 def test_a_stop_signal_during_a_save_ends_the_run_within_the_bound(
@@ -145,22 +140,9 @@ def test_a_graceful_signal_saves_after_the_step_and_the_run_resumes_exactly(tmp_
 
 
 def test_sigkill_during_a_save_leaves_no_process_and_the_run_resumes_exactly(tmp_path, whole_run):
-    with tempfile.TemporaryFile("w+") as stderr:
-        process = _start(tmp_path, "hold@2", "SIGKILL", RESUMED_RUN, stderr)
-        try:
-            deadline = time.monotonic() + 180
-            while not (tmp_path / "writing").is_file():
-                assert process.poll() is None and time.monotonic() < deadline, "no save began"
-                time.sleep(0.1)
-            writer = int((tmp_path / "writing").read_text())
-            os.kill(process.pid, signal.SIGKILL)  # the main process alone, as `kill -9 PID`
-            process.wait()
-            group_gone(process.pid, timeout_s=10)
-            left = live_group_members(process.pid)
-        finally:
-            _kill_group(process.pid)
-            process.wait()
-    assert writer != process.pid
+    train = train_command(tmp_path, RESUMED_RUN, 1, False)[3:]  # after `python -m MODULE`
+    writer, main, left = sigkill_during_save(2, tmp_path, train)
+    assert writer != main
     assert not left, f"processes of the run outlived its SIGKILL: {left}"
     checkpoints = tmp_path / "checkpoints"
     assert {path.name for path in checkpoints.iterdir()} >= {"step_000001", ".step_000002.partial"}

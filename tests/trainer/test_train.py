@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,6 +132,8 @@ def test_two_ranks(tmp_path, layout):
             assert math.isfinite(record[key]), (step, key)
         assert record["mismatch/k3"] < 1e-8  # the trainer's old log-probs, not the engine's
         assert all(f"routing/drift_layer_{layer}" in record for layer in range(4))
+    if layout == ["parallel.ep=2"]:
+        _check_resumes_only_as_saved(tmp_path / "checkpoints" / "step_000002")
 
 
 def _check_known_warnings(stderr: str, log: str, ranks: int, every_entry: bool) -> None:
@@ -143,23 +146,17 @@ def _check_known_warnings(stderr: str, log: str, ranks: int, every_entry: bool) 
     assert {f"[rank {rank}]" for rank in range(ranks)} <= set(re.findall(r"\[rank \d+\]", log))
 
 
-def test_a_checkpoint_resumes_only_at_its_layout_and_with_its_optimizer(tmp_path):
-    assert train_cli(tmp_path, ["run.steps=1"], nproc=2).returncode == 0
-    path = tmp_path / "checkpoints" / "step_000001"
+def _check_resumes_only_as_saved(path: Path) -> None:
+    """The ep2 run's last checkpoint `path` resumes only at its layout and with its optimizer."""
     state = json.loads((path / "trainer.json").read_text())
-    assert state["distributed_optimizer"] is True  # the default, with DP=2
-    assert state["layout"] == ParallelDims(world_size=2).describe()
-
-    other = train_cli(
-        tmp_path, ["run.steps=2", "optim.distributed_optimizer=false"], nproc=2, resume=True
-    )
-    assert other.returncode != 0
-    assert "saved with optim.distributed_optimizer=true, resumed with false" in other.stderr
-
-    # the same checks on this checkpoint's trainer.json
-    check_resumable(path, state, ParallelDims(world_size=2), True)
-    with pytest.raises(ValueError, match=r"saved at layout \[world 2 = .*dp2.*\], resumed at"):
-        check_resumable(path, state, ParallelDims(world_size=2, ep=2), True)
+    assert state["distributed_optimizer"] is True  # the default, with data-parallel copies
+    saved = ParallelDims(world_size=2, ep=2)
+    assert state["layout"] == saved.describe()
+    check_resumable(path, state, saved, True)
+    with pytest.raises(ValueError, match=r"saved with optim\.distributed_optimizer=true, resumed"):
+        check_resumable(path, state, saved, False)
+    with pytest.raises(ValueError, match=r"saved at layout \[world 2 = .*ep2.*\], resumed at"):
+        check_resumable(path, state, ParallelDims(world_size=2), True)
     with pytest.raises(ValueError, match="saved by 2 ranks, resumed with 1"):
         check_resumable(path, state, ParallelDims(world_size=1), False)
     # written before these fields existed: by the plain optimizer, at an unrecorded layout
