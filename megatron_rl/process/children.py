@@ -4,8 +4,10 @@ megatron-core's checkpoint writer forks one process per write bucket. A process 
 on (after `forks_die_with_this_process`) is killed by the kernel when its parent dies, even by
 SIGKILL (Linux's parent-death signal), and leaves the stop signals to its parent: the immediate
 ones take their default action (a writer cut by Ctrl-C dies instead of unwinding into a queue
-its parent no longer reads), the graceful ones are ignored (the parent finishes the save).
-Process groups this one starts with `subprocess` (rollout servers) are registered
+its parent no longer reads), the graceful ones are ignored (the parent finishes the save). The
+parent-death signal follows the thread that forked: megatron-core forks its writers from the
+main thread (a synchronous save); servers, started from any thread, are supervised instead
+(`supervise.py`). Process groups this one starts with `subprocess` (rollout servers) are registered
 (`started_group`) so that a stop that runs out of time kills them too (`kill_all`).
 """
 
@@ -45,7 +47,7 @@ def leave_signals_to_parent(*, ignored: Iterable[int] = ()) -> None:
     forks_die_with_this_process()
 
 
-def die_with_parent(parent_pid: int) -> None:
+def _die_with_parent(parent_pid: int) -> None:
     """Ask the kernel to SIGKILL this process when its parent dies; exit at once if the parent
     `parent_pid` is already gone (it may die between the fork and this call)."""
     if sys.platform == "linux":
@@ -61,7 +63,7 @@ def _remember_parent() -> None:
 
 
 def _in_forked_child() -> None:
-    die_with_parent(_parent_pid)
+    _die_with_parent(_parent_pid)
     _groups.clear()
     for signum in (*_IMMEDIATE, *_ignored_in_children):
         handler = signal.SIG_IGN if signum in _ignored_in_children else signal.SIG_DFL
