@@ -4,13 +4,20 @@ case) with each weight-sync method, R3 on SGLang's routed experts and engine log
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import re
+import signal
+import subprocess
+import time
 
 import pytest
 
-from tests.sglang.conftest import CPU_RECIPE
-from tests.trainer.run_cli import finished_run_metrics, train_cli
+from tests.processes import group_gone
+from tests.sglang.conftest import CPU_RECIPE, REPO
+from tests.trainer.run_cli import finished_run_metrics, train_cli, train_command, train_environment
 
 
 def _check(result, run_dir) -> dict[int, dict[str, float]]:
@@ -33,11 +40,10 @@ def _check(result, run_dir) -> dict[int, dict[str, float]]:
     ("method", "overrides"),
     [
         ("tensor", ["algo.loss=grpo", "algo.routing_replay=r3"]),
+        ("distributed", ["algo.use_engine_logprobs=true"]),
         ("disk", ["algo.loss=sspo"]),
     ],
-    # distributed weight sync: the two-rank run below; engine log-probs: test_engine.py (they
-    # agree with the model) and tests/trainer (the trainer takes them)
-    ids=["r3_tensor", "sspo_disk"],
+    ids=["r3_tensor", "engine_logprobs_distributed", "sspo_disk"],
 )
 def test_training_on_an_external_server(sglang_servers, base_weights, tmp_path, method, overrides):
     url = sglang_servers.urls[0]
@@ -56,6 +62,33 @@ def test_training_on_an_external_server(sglang_servers, base_weights, tmp_path, 
         # SGLang's routed experts, placed on the training tokens and replayed.
         assert metrics[1]["routing/record_bytes"] > 0
         assert 0 <= metrics[2]["routing/drift_token_layer"] <= 1
+
+
+def test_sigterm_stops_the_servers_the_run_started(tmp_path):
+    command = train_command(tmp_path, ["run.steps=50"], 1, False, recipe=CPU_RECIPE)
+    run = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=train_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    log, metrics = tmp_path / "sglang" / "sglang_0.log", tmp_path / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 400
+        while not (metrics.is_file() and metrics.read_text().strip()):  # step 0 was evaluated
+            assert run.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.5)
+        server = int(re.search(r"=== pid (\d+)", log.read_text()).group(1))
+        os.kill(server, 0)  # running
+        run.send_signal(signal.SIGTERM)  # the trainer alone, not its process group
+        assert run.wait(timeout=60) == 128 + signal.SIGTERM
+        assert group_gone(server)  # the server's whole process group
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
 
 
 def test_the_cpu_example_recipe_on_two_ranks_starts_a_server_of_its_own(tmp_path):
