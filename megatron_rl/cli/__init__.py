@@ -175,11 +175,9 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
     from megatron_rl.checkpoint import convert
     from megatron_rl.checkpoint.format import read_metadata
     from megatron_rl.files.atomic import check_output_dir
-    from megatron_rl.files.distcp import check_weights
     from megatron_rl.parallel.distributed import init_distributed, shutdown_distributed
 
     read_metadata(Path(args.ckpt), given_as="--ckpt")
-    check_weights(Path(args.ckpt))
     check_output_dir(Path(args.out), overwrite=args.overwrite)
     launch, dims = _layout(args)
     if launch.rank == 0:
