@@ -23,7 +23,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # pull a multi-GB CUDA build; on this machine kind the CPU wheel lies on disk.
     torch_pin="$(grep -oE '"torch==[^"]+"' "$repo_root/setup.py" | tr -d '"')"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$torch_pin"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$repo_root[test]"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "${repo_root}[test]"
     echo "$want" > "$stamp.tmp" && mv "$stamp.tmp" "$stamp"
 else
     echo "[setup] $venv is up to date" >&2

@@ -5,6 +5,8 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo_root/scripts/setup_env.sh"
 # The SGLang tier (tests/sglang) runs a real SGLang server from its own environment.
 bash "$repo_root/scripts/install_sglang_cpu.sh"
+# The SLURM tier (tests/launch) runs a real single-node SLURM.
+bash "$repo_root/scripts/install_slurm.sh"
 cd "$repo_root"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -1,7 +1,9 @@
-"""The processes a test started, found by process group in /proc (by PID, never by name)."""
+"""The processes a test started, found by process group in /proc (by PID, never by name), and
+the ports they may listen on."""
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -30,3 +32,10 @@ def group_gone(pgid: int, timeout_s: float = 15.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -28,6 +28,7 @@ LAYERS = (
     "rollout",
     "trainer",
     "bench",
+    "launch",
     "cli",
 )
 

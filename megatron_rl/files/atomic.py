@@ -22,10 +22,15 @@ import torch.distributed as dist
 from megatron_rl.parallel.collectives import any_rank, from_rank0
 from megatron_rl.process.stop import STOPS, uninterrupted
 
+# The process's umask, read once (reading it means setting it): a new file gets the mode that
+# open() would give it, not mkstemp's owner-only 0600 (a run directory is often shared).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write `data` to `path` through a temporary file in the same directory and an atomic
-    rename; a file already at `path` keeps its permissions."""
+    rename; a file already at `path` keeps its permissions, a new one gets open()'s."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -36,6 +41,8 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
             os.fsync(handle.fileno())
         if target.exists():
             shutil.copymode(target, tmp_name)
+        else:
+            os.chmod(tmp_name, 0o666 & ~_UMASK)
         os.replace(tmp_name, target)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)

@@ -88,15 +88,7 @@ def transformer_config(
     denominator, and megatron-core's `finalize_model_grads` divides the gradients by the
     denominator summed over micro-batches and data-parallel ranks (an exact global mean).
     """
-    dims.check_model(
-        num_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        vocab_size=model.vocab_size,
-        num_experts=model.num_experts,
-        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size,
-    )
+    model.check_split(dims)
     dtype = model.torch_dtype
     return TransformerConfig(
         num_layers=model.num_layers,

@@ -4,9 +4,12 @@ Qwen3-MoE and Mixtral) that a Hugging Face config becomes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_rl.parallel.dims import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -116,6 +119,18 @@ class MoEModelConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def check_split(self, dims: ParallelDims) -> None:
+        """Raise a ValueError, with the arithmetic, if `dims` cannot split this model."""
+        dims.check_model(
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            vocab_size=self.vocab_size,
+            num_experts=self.num_experts,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            ffn_hidden_size=self.ffn_hidden_size,
+        )
 
     @property
     def kv_channels(self) -> int:

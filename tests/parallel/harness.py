@@ -9,19 +9,13 @@ import multiprocessing as mp
 import os
 import queue as queue_module
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from megatron_rl.parallel.distributed import LaunchEnv, shutdown_distributed
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.processes import free_port
 
 
 def _worker(target: Callable[..., Any], launch: LaunchEnv, results: Any, args: tuple) -> None:

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.parallel.harness import free_port
+from tests.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "examples" / "moe" / "tiny_qwen3_moe"
@@ -31,6 +31,10 @@ SHORT_RUN = [
     "checkpoint.export_hf=false",
     "metrics.console=false",
 ]
+# Three steps with a checkpoint after each: a run stopped after one of them can be resumed.
+RESUMED_RUN = ["run.steps=3", "checkpoint.save_every=1", "run.eval_every=2"]
+# Metrics that measure the machine, not the run.
+TIMING = ("time/", "throughput/")
 
 
 def train_command(
@@ -115,3 +119,15 @@ def read_metrics(run_dir: Path) -> dict[int, dict[str, float]]:
     by_step = {record["step"]: record for record in records}
     assert len(by_step) == len(records), "a step was logged twice"
     return by_step
+
+
+def check_repeats(whole: dict, run_dir: Path, resumed_steps: tuple[int, ...]) -> None:
+    """`run_dir`'s metrics are `whole`'s, each step logged once, and equal to the last bit
+    (timings aside) for `resumed_steps`."""
+    actual = read_metrics(run_dir)
+    assert sorted(actual) == sorted(whole)
+    for step in resumed_steps:
+        keys = {key for key in whole[step] if not key.startswith(TIMING)}
+        assert keys == {key for key in actual[step] if not key.startswith(TIMING)}
+        for key in keys:
+            assert actual[step][key] == whole[step][key], (step, key)

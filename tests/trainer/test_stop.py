@@ -24,6 +24,8 @@ from tests.processes import group_gone
 from tests.small_disk import on_small_disk
 from tests.trainer.run_cli import (
     REPO,
+    RESUMED_RUN,
+    check_repeats,
     read_metrics,
     train_cli,
     train_command,
@@ -32,8 +34,6 @@ from tests.trainer.run_cli import (
 from tests.trainer.stop_worker import sigkill_during_save, start_worker
 
 SAVE_EVERY_STEP = ["checkpoint.save_every=1"]
-RESUMED_RUN = ["run.steps=3", "checkpoint.save_every=1", "run.eval_every=2"]
-TIMING = ("time/", "throughput/")
 # What a run takes at most beyond the bound: exiting the interpreter after the unwinding.
 EXIT_SLACK_S = 10.0
 
@@ -114,18 +114,6 @@ def whole_run(tmp_path_factory) -> dict[int, dict[str, float]]:
     return read_metrics(run_dir)
 
 
-def _check_repeats(whole: dict, run_dir: Path, resumed_steps: tuple[int, ...]) -> None:
-    """`run_dir`'s metrics are `whole`'s, each step logged once, and equal to the last bit
-    (timings aside) for `resumed_steps`."""
-    actual = read_metrics(run_dir)
-    assert sorted(actual) == sorted(whole)
-    for step in resumed_steps:
-        keys = {key for key in whole[step] if not key.startswith(TIMING)}
-        assert keys == {key for key in actual[step] if not key.startswith(TIMING)}
-        for key in keys:
-            assert actual[step][key] == whole[step][key], (step, key)
-
-
 def test_a_graceful_signal_saves_after_the_step_and_the_run_resumes_exactly(tmp_path, whole_run):
     code, _, log = _run_signalled(tmp_path, "step", "SIGUSR1", RESUMED_RUN)
     assert code == 128 + signal.SIGUSR1, log[-3000:]
@@ -136,7 +124,7 @@ def test_a_graceful_signal_saves_after_the_step_and_the_run_resumes_exactly(tmp_
     # one process: no data-parallel copies, so the plain optimizer (nothing to shard)
     final = json.loads((tmp_path / "checkpoints" / "step_000003" / "trainer.json").read_text())
     assert final["distributed_optimizer"] is False
-    _check_repeats(whole_run, tmp_path, (2, 3))
+    check_repeats(whole_run, tmp_path, (2, 3))
 
 
 def test_sigkill_during_a_save_leaves_no_process_and_the_run_resumes_exactly(tmp_path, whole_run):
@@ -155,7 +143,7 @@ def test_sigkill_during_a_save_leaves_no_process_and_the_run_resumes_exactly(tmp
     resumed = train_cli(tmp_path, RESUMED_RUN, resume=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert ".step_000002.partial, left by an interrupted save" in resumed.stderr
-    _check_repeats(whole_run, tmp_path, (2, 3))
+    check_repeats(whole_run, tmp_path, (2, 3))
 
 
 def test_a_full_disk_at_a_save_ends_the_run_in_one_line(tmp_path):

@@ -80,6 +80,17 @@ def server_argv(
     return args + list(config.extra_args)
 
 
+def server_environment(config: SGLangConfig) -> dict[str, str]:
+    """A server's environment: this process's, less the launcher's variables, with the
+    recipe's `env` and the one that makes SGLang's log-probs comparable with the trainer's."""
+    inherited = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in LAUNCHER_VARIABLES and not name.startswith("TORCHELASTIC_")
+    }
+    return inherited | config.env | ORIGINAL_LOGPROBS_ENV
+
+
 class ManagedServer:
     """One server process; see the module docstring."""
 
@@ -116,12 +127,7 @@ class ManagedServer:
                 "rollout.sglang.base_port, or give its url in rollout.sglang.urls to use it"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        inherited = {
-            name: value
-            for name, value in os.environ.items()
-            if name not in LAUNCHER_VARIABLES and not name.startswith("TORCHELASTIC_")
-        }
-        env = inherited | self.config.env | ORIGINAL_LOGPROBS_ENV
+        env = server_environment(self.config)
         argv = server_argv(
             self.config,
             model_path or self.model_path,

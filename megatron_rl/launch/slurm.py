@@ -1,0 +1,428 @@
+"""A SLURM batch script for a recipe: trainer nodes under torchrun, rollout nodes with SGLang.
+
+`render_train_script` checks the recipe against the cluster it will run on (the layout over
+nodes x GPUs, the model's split, the rollout nodes' servers) and returns the script; nothing is
+submitted by this module's renderer, so `--dry-run` and the tests see exactly what `sbatch` gets.
+
+The script, in order (docs/slurm.md):
+- the NCCL and network environment, in one block to edit;
+- the node list from `scontrol show hostnames`: the first `nodes` train, the rest serve rollouts;
+- on the rollout nodes, one job step of SGLang servers (`megatron_rl.launch.rollout_server`),
+  waited for on /health, with an sglang-router in front when there are several; their URLs are
+  handed to the trainer as overrides;
+- one job step on the trainer nodes, one task per node (`megatron_rl.launch.node`: torchrun for
+  that node's ranks, its node rank by its place in the node list);
+- preemption and time limits: SLURM sends the recipe's first `checkpoint.save_on_signals`
+  signal to the batch shell (`--signal=B:...`), which passes it to the trainer's step; the
+  trainer finishes its step, saves and exits 128 + signum, and the script requeues the job; a
+  requeued job (SLURM_RESTART_COUNT > 0) trains with `--resume`.
+Every step and process the script starts is stopped by its PID when the script exits.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from megatron_rl.files.hf_checkpoint import read_config
+from megatron_rl.models.families import family_for
+from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.trainer.recipe import Recipe
+
+Device = Literal["cuda", "cpu"]
+# What SLURM itself parses (#SBATCH lines cannot be quoted).
+_SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,+-]+$")
+_TIME_LIMIT = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2}):(\d{2})$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmJob:
+    """Where a recipe runs: the options of `megatron-rl launch slurm` (docs/slurm.md)."""
+
+    nodes: int
+    """Nodes that train (one torchrun each)."""
+    gpus_per_node: int = 8
+    """Trainer ranks per node (one per GPU; with device=cpu, processes)."""
+    rollout_nodes: int = 0
+    """Further nodes that only serve rollouts (SGLang); 0: the recipe's rollout.backend as it is
+    (the local engine, or SGLang servers the trainer starts on its first node)."""
+    partition: str | None = None
+    """SLURM partition; None: the cluster's default."""
+    account: str | None = None
+    """SLURM account; None: the user's default."""
+    time_limit: str | None = None
+    """Time limit, [D-]HH:MM:SS; None: the partition's."""
+    signal_before_s: int = 900
+    """Seconds before the time limit at which the trainer is told to checkpoint and stop: at
+    least one RL step and one checkpoint save."""
+    device: Device = "cuda"
+    """cuda: GPUs and NCCL; cpu: processes and gloo (a CPU cluster, or the tests)."""
+    master_port: int = 29500
+    """Port of the trainer's rendezvous on its first node."""
+    router_port: int = 29900
+    """Port of the sglang-router on the batch node (several rollout servers)."""
+    python: str
+    """Interpreter with megatron-rl installed, on a path every node sees."""
+    workdir: str
+    """Directory the job runs in (relative paths of the recipe are relative to it)."""
+    resume: bool = False
+    """Continue the run in run.dir from its newest checkpoint even on the job's first start."""
+
+    def validate(self) -> None:
+        if self.nodes < 1:
+            raise ValueError(f"--nodes: expected >= 1, got {self.nodes}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node: expected >= 1, got {self.gpus_per_node}")
+        if self.rollout_nodes < 0:
+            raise ValueError(f"--rollout-nodes: expected >= 0, got {self.rollout_nodes}")
+        for flag, value in (("--partition", self.partition), ("--account", self.account)):
+            if value is not None and not _SLURM_WORD.match(value):
+                raise ValueError(f"{flag}: {value!r} is not a SLURM name (letters, digits, _.,+-)")
+        if self.signal_before_s < 1:
+            raise ValueError(f"--signal-before: expected >= 1 s, got {self.signal_before_s}")
+        if self.time_limit is not None:
+            limit_s = time_limit_seconds(self.time_limit)
+            if self.signal_before_s >= limit_s:
+                raise ValueError(
+                    f"--signal-before: {self.signal_before_s} s is not less than --time "
+                    f"{self.time_limit} ({limit_s} s): the job would be told to stop as it starts"
+                )
+        for flag, port in (
+            ("--master-port", self.master_port),
+            ("--router-port", self.router_port),
+        ):
+            if not 1024 <= port <= 65535:
+                raise ValueError(f"{flag}: expected a port in [1024, 65535], got {port}")
+
+
+def time_limit_seconds(limit: str) -> int:
+    """`[D-]HH:MM:SS` in seconds; a ValueError naming --time otherwise."""
+    match = _TIME_LIMIT.match(limit)
+    if not match or int(match[3]) > 59 or int(match[4]) > 59:
+        raise ValueError(
+            f"--time: expected [D-]HH:MM:SS, e.g. 04:00:00 or 1-12:00:00, got {limit!r}"
+        )
+    days, hours, minutes, seconds = (int(part or 0) for part in match.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+@dataclass(frozen=True)
+class RolloutNodes:
+    """SGLang servers on the job's rollout nodes: `per_node` servers of `tp_size` GPUs each."""
+
+    nodes: int
+    per_node: int
+    tp_size: int
+    ports: tuple[int, ...]
+    python: str
+    startup_timeout_s: int
+
+
+def check_layout(recipe: Recipe, job: SlurmJob, *, model_must_exist: bool) -> ParallelDims:
+    """The recipe's layout over the job's trainer ranks, with the model's split checked when its
+    config.json is readable (always, when `model_must_exist`)."""
+    world_size = job.nodes * job.gpus_per_node
+    try:
+        dims = ParallelDims.of(recipe.parallel, world_size)
+    except ValueError as error:
+        raise ValueError(
+            f"parallel (over --nodes {job.nodes} x --gpus-per-node {job.gpus_per_node} = "
+            f"{world_size} ranks): {error}"
+        ) from None
+    hf_path = Path(recipe.model.hf_path)
+    if not hf_path.is_absolute():
+        hf_path = Path(job.workdir) / hf_path
+    if model_must_exist or hf_path.is_dir():
+        hf_config = read_config(hf_path, given_as="model.hf_path")
+        family_for(hf_config).config_from_hf(hf_config).check_split(dims)
+    return dims
+
+
+def plan_rollout_nodes(recipe: Recipe, job: SlurmJob) -> RolloutNodes | None:
+    """The servers of `job.rollout_nodes`, checked against the recipe; None without them."""
+    if job.rollout_nodes == 0:
+        return None
+    config = recipe.rollout.sglang
+    if recipe.rollout.backend != "sglang":
+        raise ValueError(
+            f"--rollout-nodes {job.rollout_nodes}: the recipe's rollout.backend is "
+            f"{recipe.rollout.backend}; rollout nodes serve rollout.backend=sglang"
+        )
+    if config.urls or config.router_url:
+        raise ValueError(
+            "--rollout-nodes: the recipe names its servers (rollout.sglang.urls/router_url); "
+            "the job starts its own on the rollout nodes: leave those empty"
+        )
+    if config.weight_sync == "tensor":
+        raise ValueError(
+            "rollout.sglang.weight_sync=tensor shares tensors on one host; servers on rollout "
+            "nodes take weight_sync=distributed (NCCL) or disk (a filesystem both see)"
+        )
+    if job.gpus_per_node % config.tp_size != 0:
+        raise ValueError(
+            f"rollout.sglang.tp_size: {config.tp_size} does not divide --gpus-per-node "
+            f"{job.gpus_per_node} (each rollout node runs gpus-per-node / tp_size servers)"
+        )
+    per_node = job.gpus_per_node // config.tp_size
+    return RolloutNodes(
+        nodes=job.rollout_nodes,
+        per_node=per_node,
+        tp_size=config.tp_size,
+        ports=tuple(config.base_port + index for index in range(per_node)),
+        python=config.python or job.python,
+        startup_timeout_s=int(config.startup_timeout_s),
+    )
+
+
+def save_signal(recipe: Recipe) -> signal.Signals:
+    """The signal SLURM sends before the time limit: the recipe's first save_on_signals."""
+    numbers = recipe.checkpoint.save_signal_numbers()
+    if not numbers:
+        raise ValueError(
+            "checkpoint.save_on_signals: empty; a SLURM job needs one (e.g. [SIGUSR1]) to "
+            "checkpoint before its time limit and be requeued"
+        )
+    return signal.Signals(numbers[0])
+
+
+def render_train_script(
+    recipe_path: Path,
+    overrides: list[str],
+    recipe: Recipe,
+    job: SlurmJob,
+    *,
+    log_dir: Path,
+) -> str:
+    """The sbatch script that trains `recipe` (read from `recipe_path` with `overrides`) as
+    `job`, logging to `log_dir` (which must exist before the job starts)."""
+    job.validate()
+    dims = check_layout(recipe, job, model_must_exist=False)
+    rollout = plan_rollout_nodes(recipe, job)
+    stop = save_signal(recipe)
+    if not _SLURM_WORD.match(str(log_dir).replace("/", "")):
+        raise ValueError(f"run.dir: {log_dir} has characters an #SBATCH line cannot carry")
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", recipe.run.name) or "megatron-rl"
+    short = stop.name.removeprefix("SIG")
+    train_args = shlex.join(["train", str(recipe_path), *overrides])
+    graceful = " ".join(
+        signal.Signals(number).name for number in recipe.checkpoint.save_signal_numbers()
+    )
+    # The rollout block first: it holds placeholders of its own.
+    substitutions = {
+        "@ROLLOUT_BLOCK@": _rollout_block(rollout, job, recipe_path, overrides) if rollout else "",
+        "@RECIPE_PATH@": str(recipe_path),
+        "@LAYOUT@": dims.describe(),
+        "@ROLLOUT_LINE@": (
+            f"{rollout.nodes} node(s) x {rollout.per_node} SGLang server(s) of TP {rollout.tp_size}"
+            if rollout
+            else f"rollout.backend={recipe.rollout.backend}, on the trainer's nodes"
+        ),
+        "@SBATCH@": "\n".join(_sbatch_lines(job, name, short, log_dir)),
+        "@THREADS_PER_RANK@": str(job.gpus_per_node),
+        "@WORKDIR@": shlex.quote(job.workdir),
+        "@PYTHON@": shlex.quote(job.python),
+        "@LOG_DIR@": shlex.quote(str(log_dir)),
+        "@TOTAL_NODES@": str(job.nodes + job.rollout_nodes),
+        "@TRAINER_NODES@": str(job.nodes),
+        "@MASTER_PORT@": str(job.master_port),
+        "@SIGNAL@": short,
+        "@SIGNAL_BEFORE@": str(job.signal_before_s),
+        "@STOP_CODE@": str(128 + stop.value),
+        "@RESUME@": "--resume" if job.resume else "",
+        "@GPUS@": str(job.gpus_per_node),
+        "@GRACEFUL@": graceful,
+        "@TRAIN_ARGS@": train_args,
+    }
+    script = _TRAIN_SCRIPT
+    for placeholder, value in substitutions.items():
+        script = script.replace(placeholder, value)
+    return script
+
+
+def _sbatch_lines(job: SlurmJob, name: str, signal_name: str, log_dir: Path) -> list[str]:
+    options = [
+        f"--job-name={name}",
+        f"--nodes={job.nodes + job.rollout_nodes}",
+        "--ntasks-per-node=1",
+        "--exclusive",
+    ]
+    if job.device == "cuda":
+        options.append(f"--gpus-per-node={job.gpus_per_node}")
+    options += [f"--partition={job.partition}"] if job.partition else []
+    options += [f"--account={job.account}"] if job.account else []
+    options += [f"--time={job.time_limit}"] if job.time_limit else []
+    options += [
+        f"--signal=B:{signal_name}@{job.signal_before_s}",
+        "--requeue",
+        "--open-mode=append",
+        f"--output={log_dir}/%x-%j.out",
+    ]
+    return [f"#SBATCH {option}" for option in options]
+
+
+def _rollout_block(
+    rollout: RolloutNodes, job: SlurmJob, recipe_path: Path, overrides: list[str]
+) -> str:
+    gpus = f" --gpus-per-task={rollout.tp_size}" if job.device == "cuda" else ""
+    block = (
+        _ROLLOUT_BLOCK.replace("@ROLLOUT_NODES@", str(rollout.nodes))
+        .replace("@PER_NODE@", str(rollout.per_node))
+        .replace("@GPUS_PER_TASK@", gpus)
+        .replace("@SERVE_ARGS@", shlex.join([str(recipe_path), *overrides]))
+        .replace("@PORTS@", " ".join(map(str, rollout.ports)))
+        .replace("@STARTUP_S@", str(rollout.startup_timeout_s))
+    )
+    if rollout.nodes * rollout.per_node > 1:
+        block += _ROUTER_BLOCK.replace("@ROUTER_PORT@", str(job.router_port)).replace(
+            "@SGLANG_PYTHON@", shlex.quote(rollout.python)
+        )
+    return block
+
+
+_TRAIN_SCRIPT = """\
+#!/bin/bash
+# megatron-rl: @RECIPE_PATH@ on SLURM, rendered by `megatron-rl launch slurm` (docs/slurm.md).
+# Trainer: @LAYOUT@
+# Rollout: @ROLLOUT_LINE@
+@SBATCH@
+set -euo pipefail
+
+# ---- Network and NCCL: edit for your cluster ----------------------------------------------------
+# The interface NCCL and gloo bootstrap on and the InfiniBand adapters NCCL uses (`ibv_devinfo`
+# lists them); unset, NCCL chooses by itself.
+# export NCCL_SOCKET_IFNAME=ib0
+# export GLOO_SOCKET_IFNAME=ib0
+# export NCCL_IB_HCA=mlx5
+# NCCL's messages (INFO shows the rings and transports when a start-up hangs).
+export NCCL_DEBUG=WARN
+# A failed collective raises instead of hanging until the timeout.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# Megatron-Core orders its tensor-parallel communication on one CUDA connection per device.
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+# CPU threads per trainer rank: the node's cores shared by its ranks.
+threads=$((SLURM_CPUS_ON_NODE / @THREADS_PER_RANK@))
+export OMP_NUM_THREADS=$((threads > 0 ? threads : 1))
+# --------------------------------------------------------------------------------------------------
+
+cd @WORKDIR@
+python=@PYTHON@
+log_dir=@LOG_DIR@
+mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+if [ "${#nodes[@]}" -ne @TOTAL_NODES@ ]; then
+  echo "megatron-rl: job $SLURM_JOB_ID has ${#nodes[@]} nodes; this script is for @TOTAL_NODES@" >&2
+  exit 1
+fi
+trainer_nodes=("${nodes[@]:0:@TRAINER_NODES@}")
+trainer_list=$(IFS=,; echo "${trainer_nodes[*]}")
+master_addr=${trainer_nodes[0]}
+master_port=@MASTER_PORT@
+
+# The job steps and processes this script starts, stopped by PID when it exits.
+started=()
+# shellcheck disable=SC2317  # called by the trap below
+stop_started() {
+  local pid
+  for pid in "${started[@]}"; do kill "$pid" 2>/dev/null || true; done
+}
+trap stop_started EXIT
+
+# SLURM sends SIG@SIGNAL@ to this shell @SIGNAL_BEFORE@ s before the time limit; the trainer's step
+# gets it from here, finishes its RL step, saves a checkpoint and exits @STOP_CODE@.
+trainer=""
+signals=0
+# shellcheck disable=SC2317  # called by the trap below
+pass_stop_to_trainer() {
+  signals=$((signals + 1))
+  if [ -n "$trainer" ]; then kill -@SIGNAL@ "$trainer" 2>/dev/null || true; fi
+}
+trap pass_stop_to_trainer @SIGNAL@
+
+rollout=()
+@ROLLOUT_BLOCK@
+resume=(@RESUME@)
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then resume=(--resume); fi
+if [ "$signals" -gt 0 ]; then
+  echo "megatron-rl: SIG@SIGNAL@ before the trainer started; requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+
+echo "megatron-rl: job $SLURM_JOB_ID, start ${SLURM_RESTART_COUNT:-0}: training on $trainer_list"
+srun --nodes=@TRAINER_NODES@ --ntasks-per-node=1 --nodelist="$trainer_list" \\
+  --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 \\
+  --output="$log_dir/%x-%j-train-%N.out" --open-mode=append \\
+  "$python" -m megatron_rl.launch.node --nodes "$trainer_list" --nproc-per-node @GPUS@ \\
+  --master-addr "$master_addr" --master-port "$master_port" --graceful @GRACEFUL@ -- \\
+  @TRAIN_ARGS@ "${rollout[@]}" "${resume[@]}" &
+trainer=$!
+started+=("$trainer")
+
+# `wait` returns early when a trapped signal arrives: wait again for the step's own status
+# (127: the wait before had already collected it).
+status=""
+while :; do
+  before=$signals
+  code=0
+  wait "$trainer" || code=$?
+  if [ -z "$status" ] || [ "$code" -ne 127 ]; then status=$code; fi
+  if [ "$signals" -eq "$before" ] || [ "$code" -eq 127 ]; then break; fi
+done
+if [ "$status" -eq @STOP_CODE@ ]; then
+  echo "megatron-rl: the trainer saved a checkpoint on SIG@SIGNAL@; requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
+"""
+
+_ROLLOUT_BLOCK = """\
+# ---- Rollout: @PER_NODE@ SGLang server(s) on each of the @ROLLOUT_NODES@ rollout node(s) ----
+rollout_nodes=("${nodes[@]:@TRAINER_NODES@:@ROLLOUT_NODES@}")
+if ! command -v curl >/dev/null; then
+  echo "megatron-rl: curl is needed to wait for the rollout servers" >&2
+  exit 1
+fi
+srun --nodes=@ROLLOUT_NODES@ --ntasks-per-node=@PER_NODE@@GPUS_PER_TASK@ \\
+  --nodelist="$(IFS=,; echo "${rollout_nodes[*]}")" \\
+  --output="$log_dir/%x-%j-rollout-%N-%t.out" --open-mode=append \\
+  "$python" -m megatron_rl.launch.rollout_server @SERVE_ARGS@ &
+servers=$!
+started+=("$servers")
+urls=()
+for node in "${rollout_nodes[@]}"; do
+  for port in @PORTS@; do urls+=("http://$node:$port"); done
+done
+# URL PID: until URL answers /health, while PID runs, for at most @STARTUP_S@ s.
+wait_healthy() {
+  local deadline=$((SECONDS + @STARTUP_S@))
+  until curl --silent --fail --max-time 5 "$1/health" >/dev/null; do
+    if ! kill -0 "$2" 2>/dev/null; then
+      echo "megatron-rl: $1 exited before answering; logs in $log_dir" >&2
+      exit 1
+    fi
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "megatron-rl: $1 did not answer /health in @STARTUP_S@ s; logs in $log_dir" >&2
+      exit 1
+    fi
+    sleep 5
+  done
+}
+for url in "${urls[@]}"; do wait_healthy "$url" "$servers"; done
+rollout=(
+  "rollout.sglang.urls=[$(IFS=,; echo "${urls[*]}")]"
+  "rollout.sglang.master_address=$master_addr"
+)
+"""
+
+_ROUTER_BLOCK = """\
+# One sglang-router in front of the servers, on this (the batch) node; generation goes through it.
+router_url="http://$SLURMD_NODENAME:@ROUTER_PORT@"
+@SGLANG_PYTHON@ -m sglang_router.launch_router --host 0.0.0.0 --port @ROUTER_PORT@ \\
+  --worker-urls "${urls[@]}" >>"$log_dir/router-$SLURM_JOB_ID.out" 2>&1 &
+started+=("$!")
+wait_healthy "$router_url" "$!"
+rollout+=("rollout.sglang.router_url=$router_url")
+"""

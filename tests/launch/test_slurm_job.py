@@ -1,0 +1,106 @@
+"""`megatron-rl launch slurm` on a real SLURM (tests/launch/slurm_cluster.py): the rendered script
+for the tiny recipe at 1 node x 2 ranks (gloo) is submitted with sbatch, receives SLURM's
+preemption signal mid-run, checkpoints, requeues itself, resumes and finishes with its export;
+its metrics equal, step for step and to the last bit, those of the same recipe run
+uninterrupted under `torchrun --nproc_per_node 2`, each step logged once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.launch.slurm_cluster import SlurmCluster, missing_reason
+from tests.trainer.run_cli import (
+    RECIPE,
+    REPO,
+    RESUMED_RUN,
+    SHORT_RUN,
+    check_repeats,
+    read_metrics,
+    train_cli,
+    train_environment,
+)
+
+pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
+def _launch(cluster: SlurmCluster, run_dir, overrides: list[str]) -> str:
+    """Submit through the CLI, as a user does; the job id."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl.cli",
+            "launch",
+            "slurm",
+            str(RECIPE),
+            *SHORT_RUN,
+            f"run.dir={run_dir}",
+            *overrides,
+            "--nodes=1",
+            "--gpus-per-node=2",
+            "--device=cpu",
+        ],
+        cwd=REPO,
+        env=train_environment() | {"SLURM_CONF": str(cluster.conf)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("submitted job "), result.stdout
+    return result.stdout.split()[2]
+
+
+def _wait_for_step(run_dir, step: int, job_id: str, cluster: SlurmCluster) -> None:
+    deadline = time.monotonic() + 240
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and f'"step": {step},' in metrics.read_text():
+            return
+        state = cluster.job(job_id)["JobState"]
+        assert state in ("PENDING", "RUNNING"), cluster.job(job_id)
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not logged in 240 s")
+
+
+def test_a_preempted_job_checkpoints_requeues_resumes_and_repeats_torchrun(tmp_path, cluster):
+    reference = tmp_path / "torchrun"
+    result = train_cli(reference, RESUMED_RUN, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    whole = read_metrics(reference)
+
+    run_dir = tmp_path / "slurm-run"
+    job_id = _launch(cluster, run_dir, [*RESUMED_RUN, "checkpoint.export_hf=true"])
+    _wait_for_step(run_dir, 1, job_id, cluster)
+    # What `--signal=B:USR1@SECONDS` does at the time limit: USR1 to the batch shell.
+    cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+    fields = cluster.wait_for_job(
+        job_id,
+        lambda job: job["JobState"] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"),
+        timeout_s=300,
+        what="finished",
+    )
+    log = (run_dir / "slurm" / f"tiny_gspo-{job_id}.out").read_text()
+    train_logs = "".join(path.read_text() for path in (run_dir / "slurm").glob("*-train-*.out"))
+    assert fields["JobState"] == "COMPLETED", (fields, log, train_logs[-3000:])
+    assert fields["Restarts"] == "1" and fields["ExitCode"] == "0:0", fields
+    assert "requeueing job" in log and "start 1: training on" in log, log
+    assert "stopped after step 2" in train_logs and "continue it with --resume" in train_logs
+    check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)))
+    assert (run_dir / "export" / "config.json").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "latest",
+        "step_000002",
+        "step_000003",
+    ]
