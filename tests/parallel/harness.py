@@ -17,6 +17,23 @@ from typing import Any
 from megatron_rl.parallel.distributed import LaunchEnv, shutdown_distributed
 from tests.processes import free_port
 
+# What the ranks import, imported once: ranks are forked from a server process that has them
+# (multiprocessing's forkserver), not spawned to import megatron-core again (seconds per rank).
+# The server is a fresh interpreter that has run nothing, so forking it is safe.
+PRELOAD = [
+    "megatron.core.dist_checkpointing",
+    "megatron.core.models.gpt",
+    "megatron_rl.models.build",
+    "megatron_rl.trainer.schedule",
+    "tests.parallel.harness",
+]
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
 
 def _worker(target: Callable[..., Any], launch: LaunchEnv, results: Any, args: tuple) -> None:
     # Lead a process group of its own: what the rank starts (megatron-core's checkpoint
@@ -38,7 +55,7 @@ def run_on_ranks(
     The first rank that raises fails the call with its traceback, and the other ranks (which
     may be waiting in a collective) are terminated at once.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     # Not daemonic: dist_checkpointing starts writer processes of its own.

@@ -10,9 +10,15 @@ from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
 from megatron_rl.parallel.logprobs import vocab_parallel_logprobs
 
 
-def sharded_matches_full(launch: LaunchEnv, vocab: int, chunk_tokens: int) -> dict:
+def sharded_matches_full(launch: LaunchEnv, vocab: int, chunk_sizes: list[int]) -> list[dict]:
+    """The errors against the float64 full-vocabulary reference, at each of `chunk_sizes`
+    (tokens per chunk; one launch for all of them, as a launch costs seconds)."""
     init_distributed(ParallelDims(world_size=launch.world_size, tp=launch.world_size), launch)
     group = parallel_state.get_tensor_model_parallel_group()
+    return [_sharded_errors(launch, group, vocab, chunk) for chunk in chunk_sizes]
+
+
+def _sharded_errors(launch: LaunchEnv, group, vocab: int, chunk_tokens: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     full = torch.randn(3, 5, vocab, generator=gen, dtype=torch.float64) * 4
     targets = torch.randint(0, vocab, (3, 5), generator=gen)
