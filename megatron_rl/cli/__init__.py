@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from megatron_rl.cli.arguments import fraction, positive_int
 from megatron_rl.cli.bench import add_bench
 from megatron_rl.cli.known_warnings import WarningRouter
-from megatron_rl.cli.launch import add_launch
+from megatron_rl.cli.launch import add_launch, add_plan
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.process.stop import StopSignals
 
@@ -248,7 +248,7 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_losses, add_bench, _add_convert, add_launch):
+    for add in (_add_train, _add_losses, add_bench, _add_convert, add_launch, add_plan):
         add(commands)
     return parser
 

@@ -1,4 +1,5 @@
-"""`megatron-rl launch slurm`: render a recipe's SLURM batch script and submit it."""
+"""`megatron-rl launch slurm` (render a recipe's SLURM batch script and submit it) and
+`megatron-rl plan` (what the recipe's layout holds on each GPU of a cluster)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_rl.cli.arguments import positive_int
+from megatron_rl.cli.arguments import positive_float, positive_int
 
 SCRIPT_NAME = "train.sbatch"
 
@@ -107,3 +108,64 @@ def add_launch(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
     parser.set_defaults(handler=_slurm)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from megatron_rl.config import load_config
+    from megatron_rl.launch.plan import Cluster, format_plan, load_model, make_plan
+    from megatron_rl.trainer.recipe import Recipe
+
+    recipe = load_config(Recipe, args.recipe, args.overrides)
+    model = load_model(recipe, Path(args.model_config) if args.model_config else None)
+    cluster = Cluster(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory_gib=args.gpu_memory_gb,
+        reserve_gib=args.reserve_gb,
+        prompt_tokens=args.prompt_tokens,
+        rollout_nodes=args.rollout_nodes,
+    )
+    plan = make_plan(recipe, model, cluster)
+    print(format_plan(plan), end="")
+    return 0 if plan.fits else 1
+
+
+def add_plan(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plan",
+        help="check a recipe's layout for a cluster and what each GPU holds (no GPU needed)",
+        description="Validate the recipe's layout for NODES x GPUS and print, per pipeline stage, "
+        "the parameters, gradients, optimizer state, activations, logits and routing record of a "
+        "rank, whether it fits and the largest micro-batch that does (docs/slurm.md, Planning). "
+        "Exit status 1 when it does not fit, 2 when the layout cannot split the model.",
+    )
+    parser.add_argument("recipe", help="YAML recipe, e.g. examples/moe/qwen3_30b_a3b_gspo.yaml")
+    parser.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides")
+    parser.add_argument("--nodes", type=positive_int, required=True, help="nodes that train")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (8)")
+    parser.add_argument(
+        "--gpu-memory-gb", type=positive_float, default=80.0, help="memory per GPU, GiB (80)"
+    )
+    parser.add_argument(
+        "--reserve-gb",
+        type=float,
+        default=4.0,
+        help="GiB per GPU kept for the CUDA context, NCCL and fragmentation (4)",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        default=1024,
+        help="longest prompt in tokens (the response is rollout.max_new_tokens; default 1024)",
+    )
+    parser.add_argument(
+        "--rollout-nodes",
+        type=int,
+        default=0,
+        help="rollout nodes of the job (then no SGLang server shares the trainer's GPUs)",
+    )
+    parser.add_argument(
+        "--model-config",
+        help="the model's config.json (any name), instead of model.hf_path's",
+    )
+    parser.set_defaults(handler=_plan)

@@ -44,10 +44,17 @@ def read_config(directory: Path, *, given_as: str | None = None) -> dict[str, An
     path = directory / "config.json"
     if not path.is_file():
         raise ValueError(f"{path}: missing; a Hugging Face checkpoint needs its config.json")
+    return read_config_file(path)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A Hugging Face config.json (under any name) as a mapping."""
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
+    except OSError as error:
+        raise ValueError(f"{path}: cannot be read ({error.strerror})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return config

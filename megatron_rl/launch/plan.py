@@ -1,0 +1,375 @@
+"""What a recipe's layout holds on each GPU of a cluster, before anything runs (`megatron-rl plan`).
+
+Parameters are counted as megatron-core lays them out on a rank (its pipeline stage, its TP and
+EP shards; tests/launch/test_plan.py checks the counts against built models, the tiny one at
+several layouts and Qwen3-30B-A3B on the meta device). Memory per rank, in bytes:
+
+- weights: parameters x the model dtype's size;
+- gradients: parameters x 4 (megatron-core's DDP keeps fp32 `main_grad` buffers, full size
+  even with the distributed optimizer, megatron_rl/trainer/optimizer.py);
+- optimizer (Adam): 12 bytes per bf16 parameter (fp32 main weight and two moments), 8 per fp32
+  one (the moments); the distributed optimizer divides the dense part by dp * cp and the expert
+  part by edp, the data-parallel copies of each;
+- activations, an estimate for the GPU path (Transformer Engine, flash attention, activations
+  in the model dtype, sequence parallelism whenever tp > 1): per layer and micro-batch of
+  b sequences of s tokens, with t = tp and a = the dtype's size,
+    attention  s*b/t * (a * (2h + 2q + 2kv) + 4 * heads)   LN input, QKV input, Q, K, V, output,
+                                                           the softmax statistics (fp32)
+    router     s*b/t * (2a * h + 8 * experts)              LN input, router input, fp32 logits
+                                                           and probabilities
+    experts    s*b*k*etp/t * a * (2h + 3 f / etp)          each of the k copies of a token: its
+                                                           permuted input, fc2 output, fc1 output
+                                                           (2f) and activation (f)
+    shared     s*b/t * a * (h + 3 f_shared)
+  (h hidden, q = heads x head_dim, kv = kv heads x head_dim, f the expert FFN width), routing
+  balanced over the experts. With recompute (full, uniform, one layer) a layer keeps only its
+  input, s*b/t * a * h, and one layer's activations exist at a time in the backward. 1F1B
+  pipelining keeps pp - stage micro-batches in flight (fewer when a minibatch has fewer);
+- logits on the last stage: s*b * vocab/tp, in the model dtype, and their gradient;
+- the routing-replay record (R2, R3): the step's tokens on this rank x its MoE layers x top-k,
+  as int64 indices;
+- the rollout engine's share, on the GPUs that also host an SGLang server the trainer starts
+  (rollout.backend=sglang without rollout nodes): mem_fraction_static x the GPU's memory.
+A fixed reserve (CUDA context, NCCL buffers, allocator fragmentation) comes on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_rl.files.hf_checkpoint import read_config, read_config_file
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.families import family_for
+from megatron_rl.moe.replay_mode import RoutingReplayMode
+from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.trainer.recipe import Recipe
+
+GIB = 2**30
+BYTES = {"bfloat16": 2, "float32": 4}
+INDEX_BYTES = 8  # top-k expert indices (torch.topk's int64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """The GPUs a recipe is planned for (the options of `megatron-rl plan`)."""
+
+    nodes: int
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    reserve_gib: float = 4.0
+    prompt_tokens: int = 1024
+    rollout_nodes: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class RankParameters:
+    """One rank's parameters: `dense` (attention, norms, router, embeddings, shared experts;
+    copies on the dp * cp ranks of its data-parallel group) and `expert` (its routed experts;
+    copies on edp ranks)."""
+
+    dense: int
+    expert: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def rank_parameters(model: MoEModelConfig, dims: ParallelDims, stage: int) -> RankParameters:
+    """The parameters of a rank of pipeline stage `stage` (every rank of a stage holds as many)."""
+    h, tp = model.hidden_size, dims.tp
+    query = model.num_attention_heads * model.kv_channels
+    key_value = model.num_query_groups * model.kv_channels
+    per_layer = (
+        2 * h  # input and pre-MLP RMSNorm
+        + h * (query + 2 * key_value) // tp  # fused QKV
+        + query * h // tp  # output projection
+        + (2 * model.kv_channels if model.qk_layernorm else 0)
+        + model.num_experts * h  # router
+        + 3 * h * (model.shared_expert_ffn_hidden_size or 0) // tp
+    )
+    expert_per_layer = model.num_experts // dims.ep * 3 * h * model.moe_ffn_hidden_size // dims.etp
+    layers = model.num_layers // dims.pp
+    dense = layers * per_layer
+    embedding = model.vocab_size // tp * h
+    if stage == 0:
+        dense += embedding
+    if stage == dims.pp - 1:
+        dense += h  # final RMSNorm
+        # The output layer; tied to the embedding it is that weight, except on a last stage of
+        # its own, which keeps a copy.
+        if not model.tie_word_embeddings or dims.pp > 1:
+            dense += embedding
+    return RankParameters(dense=dense, expert=layers * expert_per_layer)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank holds, in bytes (module docstring)."""
+
+    stage: int
+    parameters: RankParameters
+    weights: int
+    gradients: int
+    optimizer: int
+    optimizer_plain: int
+    activations: int
+    logits: int
+    routing_record: int
+    engine: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.logits
+            + self.routing_record
+            + self.engine
+        )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the recipe asks of each rank per step."""
+
+    sequence: int  # tokens per sequence (prompt + response)
+    micro_batch: int
+    samples_per_update: int  # sequences of one minibatch update, all ranks together
+    samples_per_step: int
+    recompute: bool
+    replay: bool
+
+
+def workload(recipe: Recipe, cluster: Cluster, *, micro_batch: int | None = None) -> Workload:
+    samples = recipe.rollout.prompts_per_step * recipe.rollout.group_size
+    return Workload(
+        sequence=cluster.prompt_tokens + recipe.rollout.max_new_tokens,
+        micro_batch=micro_batch or recipe.run.micro_batch_size,
+        samples_per_update=samples // recipe.algo.updates_per_batch,
+        samples_per_step=samples,
+        recompute=recipe.model.recompute,
+        replay=recipe.algo.routing_replay != RoutingReplayMode.NONE,
+    )
+
+
+def layer_activation_bytes(
+    model: MoEModelConfig, dims: ParallelDims, tokens: int, *, stored_input_only: bool
+) -> int:
+    """One layer's activations for `tokens` tokens of a micro-batch (module docstring)."""
+    a, h, t = BYTES[model.dtype], model.hidden_size, dims.tp
+    if stored_input_only:
+        return tokens * a * h // t
+    query = model.num_attention_heads * model.kv_channels
+    key_value = model.num_query_groups * model.kv_channels
+    attention = tokens * (a * (2 * h + 2 * query + 2 * key_value) + 4 * model.num_attention_heads)
+    router = tokens * (2 * a * h + 8 * model.num_experts)
+    expert_tokens = tokens * model.router_topk * dims.etp
+    experts = expert_tokens * a * (2 * h + 3 * model.moe_ffn_hidden_size // dims.etp)
+    shared = tokens * a * (h + 3 * (model.shared_expert_ffn_hidden_size or 0))
+    return (attention + router + experts + shared) // t
+
+
+def rank_memory(
+    model: MoEModelConfig,
+    dims: ParallelDims,
+    recipe: Recipe,
+    work: Workload,
+    stage: int,
+    *,
+    engine_bytes: int = 0,
+) -> RankMemory:
+    """What a rank of `stage` holds running `work` (with `engine_bytes` of a colocated server)."""
+    params = rank_parameters(model, dims, stage)
+    a = BYTES[model.dtype]
+    state_bytes = 12 if model.dtype == "bfloat16" else 8
+    plain = params.total * state_bytes
+    distributed = params.dense * state_bytes // (dims.dp * dims.cp) + (
+        params.expert * state_bytes // dims.edp
+    )
+    use_distributed = recipe.optim.distributed_optimizer and dims.replicates_weights
+    tokens = work.sequence * work.micro_batch
+    layers = model.num_layers // dims.pp
+    micro_batches = max(1, work.samples_per_update // (dims.dp * work.micro_batch))
+    in_flight = min(dims.pp - stage, micro_batches)
+    full_layer = layer_activation_bytes(model, dims, tokens, stored_input_only=False)
+    if work.recompute:
+        stored = layer_activation_bytes(model, dims, tokens, stored_input_only=True)
+        activations = layers * stored * in_flight + full_layer
+    else:
+        activations = layers * full_layer * in_flight
+    logits = 2 * a * tokens * model.vocab_size // dims.tp if stage == dims.pp - 1 else 0
+    step_tokens = work.samples_per_step // dims.dp * work.sequence // dims.tp
+    record = step_tokens * layers * model.router_topk * INDEX_BYTES if work.replay else 0
+    return RankMemory(
+        stage=stage,
+        parameters=params,
+        weights=params.total * a,
+        gradients=params.total * 4,
+        optimizer=distributed if use_distributed else plain,
+        optimizer_plain=plain,
+        activations=activations,
+        logits=logits,
+        routing_record=record,
+        engine=engine_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A recipe on a cluster: per stage what a rank holds, with and without a colocated server."""
+
+    recipe: Recipe
+    model: MoEModelConfig
+    dims: ParallelDims
+    cluster: Cluster
+    work: Workload
+    stages: list[RankMemory]
+    engine_ranks: int  # ranks 0 .. engine_ranks - 1 also hold an SGLang server's share
+    engine_bytes: int
+    largest_micro_batch: int
+
+    @property
+    def budget(self) -> int:
+        return int((self.cluster.gpu_memory_gib - self.cluster.reserve_gib) * GIB)
+
+    def worst(self) -> RankMemory:
+        """The fullest rank (a stage-0 rank hosting a server, if any does)."""
+        candidates = list(self.stages)
+        if self.engine_ranks:
+            candidates.append(dataclasses.replace(self.stages[0], engine=self.engine_bytes))
+        return max(candidates, key=lambda memory: memory.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst().total <= self.budget
+
+
+def load_model(recipe: Recipe, model_config: Path | None = None) -> MoEModelConfig:
+    """The recipe's model, from `model_config` (a config.json under any name, for planning
+    before the weights are downloaded) or from model.hf_path's config.json."""
+    if model_config is not None:
+        hf_config = read_config_file(model_config)
+    else:
+        hf_config = read_config(Path(recipe.model.hf_path), given_as="model.hf_path")
+    return family_for(hf_config).config_from_hf(hf_config)
+
+
+def make_plan(recipe: Recipe, model: MoEModelConfig, cluster: Cluster) -> Plan:
+    """The plan of `recipe` for `model` on `cluster`; a ValueError with the arithmetic when the
+    layout cannot split the model over the cluster."""
+    try:
+        dims = ParallelDims.of(recipe.parallel, cluster.world_size)
+    except ValueError as error:
+        raise ValueError(
+            f"parallel (over {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs = "
+            f"{cluster.world_size} ranks): {error}"
+        ) from None
+    model.check_split(dims)
+    sglang = recipe.rollout.sglang
+    colocated = (
+        recipe.rollout.backend == "sglang" and not sglang.urls and cluster.rollout_nodes == 0
+    )
+    engine_ranks = min(sglang.num_servers * sglang.tp_size, cluster.world_size) if colocated else 0
+    engine_bytes = int(sglang.mem_fraction_static * cluster.gpu_memory_gib * GIB)
+    work = workload(recipe, cluster)
+
+    def stages_at(micro_batch: int) -> list[RankMemory]:
+        at = dataclasses.replace(work, micro_batch=micro_batch)
+        return [rank_memory(model, dims, recipe, at, stage) for stage in range(dims.pp)]
+
+    budget = int((cluster.gpu_memory_gib - cluster.reserve_gib) * GIB)
+
+    def fits_at(micro_batch: int) -> bool:
+        stages = stages_at(micro_batch)
+        worst = max(memory.total for memory in stages)
+        hosted = stages[0].total + engine_bytes if engine_ranks else 0
+        return max(worst, hosted) <= budget
+
+    per_rank = max(1, work.samples_per_update // dims.dp)
+    largest = 0
+    while largest < per_rank and fits_at(largest + 1):
+        largest += 1
+    return Plan(
+        recipe=recipe,
+        model=model,
+        dims=dims,
+        cluster=cluster,
+        work=work,
+        stages=stages_at(work.micro_batch),
+        engine_ranks=engine_ranks,
+        engine_bytes=engine_bytes,
+        largest_micro_batch=largest,
+    )
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:.1f}"
+
+
+def _billions(value: int) -> str:
+    return f"{value / 1e9:.3f} B" if value >= 1e8 else f"{value:,}"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as the text `megatron-rl plan` prints."""
+    model, dims, cluster, work = plan.model, plan.dims, plan.cluster, plan.work
+    total_params = rank_parameters(model, ParallelDims(world_size=1), 0).total
+    lines = [
+        f"{cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs of {cluster.gpu_memory_gib:g} "
+        f"GiB: {dims.describe()}",
+        f"model: {model.num_layers} layers, {model.num_experts} experts (top-{model.router_topk}), "
+        f"{model.dtype}, {_billions(total_params)} parameters",
+        f"per micro-batch: {work.micro_batch} sequences of {work.sequence} tokens "
+        f"({cluster.prompt_tokens} prompt, --prompt-tokens, + {plan.recipe.rollout.max_new_tokens} "
+        f"response), recompute {'on' if work.recompute else 'off'}",
+        "",
+        f"{'per rank':<28}" + "".join(f"{'stage ' + str(m.stage):>12}" for m in plan.stages),
+    ]
+    rows = [
+        ("parameters", lambda m: _billions(m.parameters.total)),
+        ("  dense", lambda m: _billions(m.parameters.dense)),
+        ("  experts", lambda m: _billions(m.parameters.expert)),
+        ("weights (GiB)", lambda m: _gib(m.weights)),
+        ("gradients, fp32 (GiB)", lambda m: _gib(m.gradients)),
+        (
+            "Adam, distributed (GiB)"
+            if plan.recipe.optim.distributed_optimizer and dims.replicates_weights
+            else "Adam (GiB)",
+            lambda m: _gib(m.optimizer),
+        ),
+        ("  not distributed (GiB)", lambda m: _gib(m.optimizer_plain)),
+        ("activations, est. (GiB)", lambda m: _gib(m.activations)),
+        ("logits (GiB)", lambda m: _gib(m.logits)),
+        ("routing record (GiB)", lambda m: _gib(m.routing_record)),
+        ("total (GiB)", lambda m: _gib(m.total)),
+    ]
+    for name, value in rows:
+        lines.append(f"{name:<28}" + "".join(f"{value(m):>12}" for m in plan.stages))
+    if plan.engine_ranks:
+        lines.append(
+            f"ranks 0-{plan.engine_ranks - 1} also hold a colocated SGLang server's share: "
+            f"{plan.recipe.rollout.sglang.mem_fraction_static:g} x {cluster.gpu_memory_gib:g} GiB "
+            f"= {_gib(plan.engine_bytes)} GiB"
+        )
+    worst = plan.worst()
+    budget = cluster.gpu_memory_gib - cluster.reserve_gib
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines += [
+        "",
+        f"{verdict}: the fullest rank (stage {worst.stage}"
+        + (", with the server" if worst.engine else "")
+        + f") needs {_gib(worst.total)} GiB of {budget:g} "
+        f"({cluster.gpu_memory_gib:g} GiB less {cluster.reserve_gib:g} reserved)",
+        f"largest micro-batch that fits: {plan.largest_micro_batch}"
+        + (" (none: even one sequence does not)" if plan.largest_micro_batch == 0 else ""),
+    ]
+    return "\n".join(lines) + "\n"
