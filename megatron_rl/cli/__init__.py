@@ -45,9 +45,7 @@ def _train(args: argparse.Namespace) -> int:
         except TrainingAborted as error:
             print(f"megatron-rl: training aborted: {error}", file=sys.stderr)
             return 3
-        except RunStopped as stopped:
-            if launch.rank == 0:
-                print(f"megatron-rl: {stopped}; continue it with --resume", file=sys.stderr)
+        except RunStopped:  # reported by rank 0 (train)
             return stop.exit_code
     if stop.immediate:  # a stop signal's exit that Python swallowed
         return stop.exit_code

@@ -165,19 +165,33 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _drift(args: argparse.Namespace) -> int:
-    from megatron_rl.bench.drift import run_drift_benchmark
+    from megatron_rl.bench import drift
 
+    out, models_dir = Path(args.out), Path(args.models_dir)
+    if args.report_only:
+        print(f"wrote {drift.report_drift_benchmark(args.recipe, args.grid, out, args.overrides)}")
+        return 0
     with StopSignals():  # SIGTERM and Ctrl-C stop the runs in flight on the way out
-        report = run_drift_benchmark(
+        if args.prepare:
+            run_ids = drift.prepare_drift_benchmark(
+                args.recipe, args.grid, out, models_dir=models_dir, overrides=args.overrides
+            )
+            for number, run_id in enumerate(run_ids):
+                print(f"{number:4d}  {run_id}")
+            print(f"{len(run_ids)} runs: sbatch --array=0-{len(run_ids) - 1} (docs/drift.md)")
+            return 0
+        report = drift.run_drift_benchmark(
             args.recipe,
             args.grid,
-            Path(args.out),
+            out,
             jobs=args.jobs,
-            models_dir=Path(args.models_dir),
+            models_dir=models_dir,
             rerun_crashed=args.rerun_crashed,
             overrides=args.overrides,
+            only=args.run_index,
         )
-    print(f"wrote {report}")
+    if report is not None:
+        print(f"wrote {report}")
     return 0
 
 
@@ -202,6 +216,22 @@ def _add_drift(benches: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--rerun-crashed", action="store_true", help="run crashed runs again (done ones never)"
+    )
+    # A job array of the grid (docs/drift.md): prepare once, one run per task, then the report.
+    array = parser.add_mutually_exclusive_group()
+    array.add_argument(
+        "--prepare",
+        action="store_true",
+        help="claim --out and build the base models; list the runs by number, run none",
+    )
+    array.add_argument(
+        "--run-index",
+        type=int,
+        metavar="I",
+        help="run only run I of the list (a job array task: $SLURM_ARRAY_TASK_ID); no report",
+    )
+    array.add_argument(
+        "--report-only", action="store_true", help="write the report of the runs that ended"
     )
     parser.set_defaults(handler=_drift)
 

@@ -1,5 +1,6 @@
-"""`megatron-rl launch slurm` (render a recipe's SLURM batch script and submit it) and
-`megatron-rl plan` (what the recipe's layout holds on each GPU of a cluster)."""
+"""`megatron-rl launch slurm` (render a recipe's SLURM batch script and submit it),
+`megatron-rl launch slurm-convert` (a conversion as a SLURM job) and `megatron-rl plan` (what
+the recipe's layout holds on each GPU of a cluster)."""
 
 from __future__ import annotations
 
@@ -7,46 +8,39 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_rl.cli.arguments import positive_float, positive_int
+
+if TYPE_CHECKING:
+    from megatron_rl.launch.slurm import SlurmJob
 
 SCRIPT_NAME = "train.sbatch"
 
 
-def _slurm(args: argparse.Namespace) -> int:
-    from megatron_rl.config import load_config
-    from megatron_rl.files.atomic import write_text_atomic
-    from megatron_rl.launch.slurm import SlurmJob, check_layout, render_train_script
-    from megatron_rl.trainer.recipe import Recipe
-    from megatron_rl.trainer.run_dir import refuse_earlier_run
+def _job(args: argparse.Namespace, **options: object) -> SlurmJob:
+    from megatron_rl.launch.slurm import SlurmJob
 
-    recipe_path = Path(args.recipe).resolve()
-    recipe = load_config(Recipe, recipe_path, args.overrides)
-    workdir = Path.cwd()
-    job = SlurmJob(
+    return SlurmJob(
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
-        rollout_nodes=args.rollout_nodes,
         partition=args.partition,
         account=args.account,
         time_limit=args.time,
-        signal_before_s=args.signal_before,
         device=args.device,
         master_port=args.master_port,
         python=args.python,
-        workdir=str(workdir),
-        resume=args.resume,
+        workdir=str(Path.cwd()),
+        **options,
     )
-    run_dir = workdir / recipe.run.dir
-    log_dir = run_dir / "slurm"
-    script = render_train_script(recipe_path, args.overrides, recipe, job, log_dir=log_dir)
-    if args.dry_run:
-        print(script, end="")
-        return 0
-    check_layout(recipe, job, model_must_exist=True)
-    if not args.resume and run_dir.is_dir():
-        refuse_earlier_run(run_dir)
-    path = write_text_atomic(log_dir / SCRIPT_NAME, script)  # SLURM opens --output in log_dir
+
+
+def _submit(script: str, path: Path, log_dir: Path) -> int:
+    """Write `script` to `path` and submit it; the job's logs go to `log_dir`."""
+    from megatron_rl.files.atomic import write_text_atomic
+
+    log_dir.mkdir(parents=True, exist_ok=True)  # SLURM opens --output there
+    write_text_atomic(path, script)
     submitted = subprocess.run(
         ["sbatch", "--parsable", str(path)], capture_output=True, text=True, check=False
     )
@@ -58,8 +52,91 @@ def _slurm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slurm(args: argparse.Namespace) -> int:
+    from megatron_rl.config import load_config
+    from megatron_rl.launch.slurm import check_layout, render_train_script
+    from megatron_rl.trainer.recipe import Recipe
+    from megatron_rl.trainer.run_dir import refuse_earlier_run
+
+    recipe_path = Path(args.recipe).resolve()
+    recipe = load_config(Recipe, recipe_path, args.overrides)
+    job = _job(
+        args,
+        rollout_nodes=args.rollout_nodes,
+        signal_before_s=args.signal_before,
+        resume=args.resume,
+    )
+    run_dir = Path.cwd() / recipe.run.dir
+    log_dir = run_dir / "slurm"
+    script = render_train_script(recipe_path, args.overrides, recipe, job, log_dir=log_dir)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    check_layout(recipe, job, model_must_exist=True)
+    if not args.resume and run_dir.is_dir():
+        refuse_earlier_run(run_dir)
+    return _submit(script, log_dir / SCRIPT_NAME, log_dir)
+
+
+def _slurm_convert(args: argparse.Namespace) -> int:
+    from megatron_rl.checkpoint.format import read_metadata
+    from megatron_rl.cli import build_parser
+    from megatron_rl.files.atomic import check_output_dir
+    from megatron_rl.launch.slurm import render_command_script
+    from megatron_rl.models.hf_source import inspect_hf
+    from megatron_rl.parallel.dims import ParallelDims
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    # The conversion's own arguments, checked as `megatron-rl convert` will check them.
+    convert = build_parser().parse_args(["convert", *command])
+    job = _job(args)
+    dims = ParallelDims(
+        world_size=args.nodes * args.gpus_per_node,
+        tp=convert.tp,
+        pp=convert.pp,
+        ep=convert.ep,
+        etp=convert.etp,
+    )
+    out = Path(convert.out).resolve()
+    log_dir = Path(args.log_dir).resolve()
+    name = f"convert-{out.name}"
+    script = render_command_script(
+        ["convert", *command], job, dims=dims, name=name, log_dir=log_dir
+    )
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    if convert.direction == "hf-to-mcore":
+        inspect_hf(Path(convert.hf), given_as="--hf")
+    else:
+        read_metadata(Path(convert.ckpt), given_as="--ckpt")
+    check_output_dir(out, overwrite=convert.overwrite)
+    return _submit(script, log_dir / f"{name}.sbatch", log_dir)
+
+
+def _add_job_options(parser: argparse.ArgumentParser) -> None:
+    """The options every SLURM job takes: nodes, GPUs, partition, account, time, ..."""
+    parser.add_argument("--nodes", type=positive_int, required=True, help="nodes that train")
+    parser.add_argument(
+        "--gpus-per-node", type=positive_int, default=8, help="ranks per node, one per GPU (8)"
+    )
+    parser.add_argument("--partition", help="SLURM partition (default: the cluster's)")
+    parser.add_argument("--account", help="SLURM account (default: yours)")
+    parser.add_argument("--time", help="time limit, [D-]HH:MM:SS (default: the partition's)")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="GPUs (cuda) or CPU processes"
+    )
+    parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port (29500)")
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter with megatron-rl, seen by every node (default: this one)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
+
+
 def add_launch(commands: argparse._SubParsersAction) -> None:
-    launch = commands.add_parser("launch", help="run a recipe on a cluster (SLURM)")
+    launch = commands.add_parser("launch", help="run a recipe or a conversion on SLURM")
     schedulers = launch.add_subparsers(dest="scheduler", required=True)
     parser = schedulers.add_parser(
         "slurm",
@@ -70,19 +147,13 @@ def add_launch(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("recipe", help="YAML recipe, e.g. examples/moe/qwen3_30b_a3b_gspo.yaml")
     parser.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides")
-    parser.add_argument("--nodes", type=positive_int, required=True, help="nodes that train")
-    parser.add_argument(
-        "--gpus-per-node", type=positive_int, default=8, help="trainer ranks per node (8)"
-    )
+    _add_job_options(parser)
     parser.add_argument(
         "--rollout-nodes",
         type=int,
         default=0,
         help="further nodes that only run SGLang servers (rollout.backend=sglang; default 0)",
     )
-    parser.add_argument("--partition", help="SLURM partition (default: the cluster's)")
-    parser.add_argument("--account", help="SLURM account (default: yours)")
-    parser.add_argument("--time", help="time limit, [D-]HH:MM:SS (default: the partition's)")
     parser.add_argument(
         "--signal-before",
         type=positive_int,
@@ -91,23 +162,26 @@ def add_launch(commands: argparse._SubParsersAction) -> None:
         help="tell the trainer to checkpoint and stop this long before the time limit (900)",
     )
     parser.add_argument(
-        "--device", choices=("cuda", "cpu"), default="cuda", help="GPUs (cuda) or CPU processes"
-    )
-    parser.add_argument(
-        "--master-port", type=int, default=29500, help="trainer rendezvous port (29500)"
-    )
-    parser.add_argument(
-        "--python",
-        default=sys.executable,
-        help="interpreter with megatron-rl, seen by every node (default: this one)",
-    )
-    parser.add_argument(
         "--resume",
         action="store_true",
         help="continue the run in run.dir (a fresh job refuses an earlier run's directory)",
     )
-    parser.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
     parser.set_defaults(handler=_slurm)
+    convert = schedulers.add_parser(
+        "slurm-convert",
+        help="a checkpoint conversion as a SLURM job (docs/slurm.md, Conversions)",
+        description="Render and submit a job that runs `megatron-rl convert ...` under torchrun "
+        "on the nodes asked for, e.g. `launch slurm-convert --nodes 1 -- hf-to-mcore --hf HF "
+        "--out CKPT --ep 8`. The conversion's arguments are checked first.",
+    )
+    _add_job_options(convert)
+    convert.add_argument(
+        "--log-dir", default="slurm-logs", help="where the job's logs go (./slurm-logs)"
+    )
+    convert.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- and the arguments of `megatron-rl convert`"
+    )
+    convert.set_defaults(handler=_slurm_convert)
 
 
 def _plan(args: argparse.Namespace) -> int:

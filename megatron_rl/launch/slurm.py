@@ -203,8 +203,6 @@ def render_train_script(
     dims = check_layout(recipe, job, model_must_exist=False)
     rollout = plan_rollout_nodes(recipe, job)
     stop = save_signal(recipe)
-    if not _SLURM_WORD.match(str(log_dir).replace("/", "")):
-        raise ValueError(f"run.dir: {log_dir} has characters an #SBATCH line cannot carry")
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", recipe.run.name) or "megatron-rl"
     short = stop.name.removeprefix("SIG")
     train_args = shlex.join(["train", str(recipe_path), *overrides])
@@ -214,14 +212,69 @@ def render_train_script(
     # The rollout block first: it holds placeholders of its own.
     substitutions = {
         "@ROLLOUT_BLOCK@": _rollout_block(rollout, job, recipe_path, overrides) if rollout else "",
-        "@RECIPE_PATH@": str(recipe_path),
-        "@LAYOUT@": dims.describe(),
-        "@ROLLOUT_LINE@": (
-            f"{rollout.nodes} node(s) x {rollout.per_node} SGLang server(s) of TP {rollout.tp_size}"
-            if rollout
-            else f"rollout.backend={recipe.rollout.backend}, on the trainer's nodes"
+        "@HEADER@": "\n".join(
+            [
+                f"# megatron-rl: {recipe_path} on SLURM, rendered by `megatron-rl launch slurm` "
+                "(docs/slurm.md).",
+                f"# Trainer: {dims.describe()}",
+                "# Rollout: "
+                + (
+                    f"{rollout.nodes} node(s) x {rollout.per_node} SGLang server(s) of TP "
+                    f"{rollout.tp_size}"
+                    if rollout
+                    else f"rollout.backend={recipe.rollout.backend}, on the trainer's nodes"
+                ),
+            ]
         ),
-        "@SBATCH@": "\n".join(_sbatch_lines(job, name, short, log_dir)),
+        "@SBATCH@": "\n".join(_sbatch_lines(job, name, log_dir, requeue_on=short)),
+        "@SIGNAL@": short,
+        "@SIGNAL_BEFORE@": str(job.signal_before_s),
+        "@STOP_CODE@": str(128 + stop.value),
+        "@RESUME@": "--resume" if job.resume else "",
+    } | _common_substitutions(job, log_dir)
+    step = _node_step(
+        "train", f'{train_args} "${{rollout[@]}}" "${{resume[@]}}"', graceful=graceful
+    )
+    return _fill(_PREAMBLE + _TRAIN_BODY.replace("@NODE_STEP@", step), substitutions)
+
+
+def render_command_script(
+    command: list[str], job: SlurmJob, *, dims: ParallelDims, name: str, log_dir: Path
+) -> str:
+    """The sbatch script that runs the megatron-rl `command` (e.g. `convert hf-to-mcore ...`)
+    on `job`'s nodes under torchrun, its ranks laid out as `dims`; not requeued."""
+    job.validate()
+    if job.rollout_nodes:
+        raise ValueError("--rollout-nodes: only a training job has rollout nodes")
+    if dims.world_size != job.nodes * job.gpus_per_node:
+        raise ValueError(
+            f"--nodes {job.nodes} x --gpus-per-node {job.gpus_per_node} = "
+            f"{job.nodes * job.gpus_per_node} ranks, but the layout ({dims.describe()}) is for "
+            f"{dims.world_size}"
+        )
+    substitutions = _common_substitutions(job, log_dir) | {
+        "@HEADER@": f"# megatron-rl {command[0]} on SLURM, rendered by `megatron-rl launch "
+        f"slurm-{command[0]}` (docs/slurm.md).\n# Ranks: {dims.describe()}",
+        "@SBATCH@": "\n".join(_sbatch_lines(job, name, log_dir, requeue_on=None)),
+    }
+    step = _node_step(command[0], shlex.join(command), graceful="")
+    return _fill(_PREAMBLE + _COMMAND_BODY.replace("@NODE_STEP@", step), substitutions)
+
+
+def _node_step(name: str, command: str, *, graceful: str) -> str:
+    """The trainer nodes' job step running `command` (shell words), logging to
+    NAME-JOBID-STEP-NODE.out; `graceful`: the signal names its ranks keep for themselves."""
+    return (
+        _NODE_STEP.replace("@STEP_NAME@", name)
+        .replace("@GRACEFUL@", f" --graceful {graceful}" if graceful else "")
+        .replace("@COMMAND@", command)
+    )
+
+
+def _common_substitutions(job: SlurmJob, log_dir: Path) -> dict[str, str]:
+    if not _SLURM_WORD.match(str(log_dir).replace("/", "")):
+        raise ValueError(f"{log_dir}: has characters an #SBATCH line cannot carry")
+    return {
         "@THREADS_PER_RANK@": str(job.gpus_per_node),
         "@WORKDIR@": shlex.quote(job.workdir),
         "@PYTHON@": shlex.quote(job.python),
@@ -229,21 +282,19 @@ def render_train_script(
         "@TOTAL_NODES@": str(job.nodes + job.rollout_nodes),
         "@TRAINER_NODES@": str(job.nodes),
         "@MASTER_PORT@": str(job.master_port),
-        "@SIGNAL@": short,
-        "@SIGNAL_BEFORE@": str(job.signal_before_s),
-        "@STOP_CODE@": str(128 + stop.value),
-        "@RESUME@": "--resume" if job.resume else "",
         "@GPUS@": str(job.gpus_per_node),
-        "@GRACEFUL@": graceful,
-        "@TRAIN_ARGS@": train_args,
     }
-    script = _TRAIN_SCRIPT
+
+
+def _fill(template: str, substitutions: dict[str, str]) -> str:
     for placeholder, value in substitutions.items():
-        script = script.replace(placeholder, value)
-    return script
+        template = template.replace(placeholder, value)
+    return template
 
 
-def _sbatch_lines(job: SlurmJob, name: str, signal_name: str, log_dir: Path) -> list[str]:
+def _sbatch_lines(job: SlurmJob, name: str, log_dir: Path, *, requeue_on: str | None) -> list[str]:
+    """The #SBATCH lines; with `requeue_on` (a signal name) the job is told to stop by it before
+    its time limit and may requeue itself."""
     options = [
         f"--job-name={name}",
         f"--nodes={job.nodes + job.rollout_nodes}",
@@ -255,12 +306,9 @@ def _sbatch_lines(job: SlurmJob, name: str, signal_name: str, log_dir: Path) -> 
     options += [f"--partition={job.partition}"] if job.partition else []
     options += [f"--account={job.account}"] if job.account else []
     options += [f"--time={job.time_limit}"] if job.time_limit else []
-    options += [
-        f"--signal=B:{signal_name}@{job.signal_before_s}",
-        "--requeue",
-        "--open-mode=append",
-        f"--output={log_dir}/%x-%j.out",
-    ]
+    if requeue_on:
+        options += [f"--signal=B:{requeue_on}@{job.signal_before_s}", "--requeue"]
+    options += ["--open-mode=append", f"--output={log_dir}/%x-%j.out"]
     return [f"#SBATCH {option}" for option in options]
 
 
@@ -283,11 +331,9 @@ def _rollout_block(
     return block
 
 
-_TRAIN_SCRIPT = """\
+_PREAMBLE = """\
 #!/bin/bash
-# megatron-rl: @RECIPE_PATH@ on SLURM, rendered by `megatron-rl launch slurm` (docs/slurm.md).
-# Trainer: @LAYOUT@
-# Rollout: @ROLLOUT_LINE@
+@HEADER@
 @SBATCH@
 set -euo pipefail
 
@@ -329,7 +375,9 @@ stop_started() {
   for pid in "${started[@]}"; do kill "$pid" 2>/dev/null || true; done
 }
 trap stop_started EXIT
+"""
 
+_TRAIN_BODY = """
 # SLURM sends SIG@SIGNAL@ to this shell @SIGNAL_BEFORE@ s before the time limit; the trainer's step
 # gets it from here, finishes its RL step, saves a checkpoint and exits @STOP_CODE@.
 trainer=""
@@ -352,12 +400,7 @@ if [ "$signals" -gt 0 ]; then
 fi
 
 echo "megatron-rl: job $SLURM_JOB_ID, start ${SLURM_RESTART_COUNT:-0}: training on $trainer_list"
-srun --nodes=@TRAINER_NODES@ --ntasks-per-node=1 --nodelist="$trainer_list" \\
-  --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 \\
-  --output="$log_dir/%x-%j-train-%N.out" --open-mode=append \\
-  "$python" -m megatron_rl.launch.node --nodes "$trainer_list" --nproc-per-node @GPUS@ \\
-  --master-addr "$master_addr" --master-port "$master_port" --graceful @GRACEFUL@ -- \\
-  @TRAIN_ARGS@ "${rollout[@]}" "${resume[@]}" &
+@NODE_STEP@ &
 trainer=$!
 started+=("$trainer")
 
@@ -377,6 +420,20 @@ if [ "$status" -eq @STOP_CODE@ ]; then
 fi
 exit "$status"
 """
+
+_COMMAND_BODY = """
+echo "megatron-rl: job $SLURM_JOB_ID on $trainer_list"
+@NODE_STEP@
+"""
+
+# One job step on the trainer nodes: megatron_rl.launch.node (torchrun) on each.
+_NODE_STEP = """\
+srun --nodes=@TRAINER_NODES@ --ntasks-per-node=1 --nodelist="$trainer_list" \\
+  --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 \\
+  --output="$log_dir/%x-%j-@STEP_NAME@-%N.out" --open-mode=append \\
+  "$python" -m megatron_rl.launch.node --nodes "$trainer_list" --nproc-per-node @GPUS@ \\
+  --master-addr "$master_addr" --master-port "$master_port"@GRACEFUL@ -- \\
+  @COMMAND@"""
 
 _ROLLOUT_BLOCK = """\
 # ---- Rollout: @PER_NODE@ SGLang server(s) on each of the @ROLLOUT_NODES@ rollout node(s) ----

@@ -9,6 +9,7 @@ repeats exactly what an uninterrupted one would have done.
 
 from __future__ import annotations
 
+import sys
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
@@ -59,13 +60,20 @@ def train(
 ) -> dict[str, float]:
     """Run `recipe` to its last step; returns the last step's metrics (on rank 0). With `stop`
     (every rank's), a graceful stop signal ends the run after a step and its checkpoint
-    (RunStopped)."""
+    (RunStopped, which rank 0 reports on stderr)."""
     launch = LaunchEnv.from_environ()
     dims = ParallelDims.of(recipe.parallel, launch.world_size)
     init_distributed(dims, launch, seed=recipe.run.seed)
     try:
         with ExitStack() as stack:  # the rollout engine's servers and resources
             return Trainer.build(recipe, dims, stack, resume=resume, stop=stop).run()
+    except RunStopped as stopped:
+        if dist.get_rank() == 0:
+            print(f"megatron-rl: {stopped}; continue it with --resume", file=sys.stderr, flush=True)
+        # The ranks leave together, rank 0 done unwinding and reporting: torchrun ends the
+        # others as soon as one exits.
+        dist.barrier()
+        raise
     finally:
         shutdown_distributed()
 

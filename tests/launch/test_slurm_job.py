@@ -2,7 +2,8 @@
 for the tiny recipe at 1 node x 2 ranks (gloo) is submitted with sbatch, receives SLURM's
 preemption signal mid-run, checkpoints, requeues itself, resumes and finishes with its export;
 its metrics equal, step for step and to the last bit, those of the same recipe run
-uninterrupted under `torchrun --nproc_per_node 2`, each step logged once."""
+uninterrupted under `torchrun --nproc_per_node 2`, each step logged once. And a conversion
+submitted by `megatron-rl launch slurm-convert` runs on 2 ranks."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.trainer.run_cli import (
     REPO,
     RESUMED_RUN,
     SHORT_RUN,
+    TINY_MODEL,
     check_repeats,
     read_metrics,
     train_cli,
@@ -25,6 +27,7 @@ from tests.trainer.run_cli import (
 )
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+ONE_NODE = ["--nodes=1", "--gpus-per-node=2", "--device=cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -35,22 +38,15 @@ def cluster(tmp_path_factory):
 
 
 def _launch(cluster: SlurmCluster, run_dir, overrides: list[str]) -> str:
-    """Submit through the CLI, as a user does; the job id."""
+    """Submit a training job through the CLI, as a user does; the job id."""
+    return _submit(
+        cluster, ["slurm", str(RECIPE), *SHORT_RUN, f"run.dir={run_dir}", *overrides, *ONE_NODE]
+    )
+
+
+def _submit(cluster: SlurmCluster, launch_args: list[str]) -> str:
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_rl.cli",
-            "launch",
-            "slurm",
-            str(RECIPE),
-            *SHORT_RUN,
-            f"run.dir={run_dir}",
-            *overrides,
-            "--nodes=1",
-            "--gpus-per-node=2",
-            "--device=cpu",
-        ],
+        [sys.executable, "-m", "megatron_rl.cli", "launch", *launch_args],
         cwd=REPO,
         env=train_environment() | {"SLURM_CONF": str(cluster.conf)},
         capture_output=True,
@@ -104,3 +100,19 @@ def test_a_preempted_job_checkpoints_requeues_resumes_and_repeats_torchrun(tmp_p
         "step_000002",
         "step_000003",
     ]
+
+
+def test_a_conversion_job_runs_on_two_ranks(tmp_path, cluster):
+    out, logs = tmp_path / "tiny-ep2", tmp_path / "logs"
+    convert = ["hf-to-mcore", f"--hf={TINY_MODEL}", f"--out={out}", "--ep=2"]
+    job_id = _submit(cluster, ["slurm-convert", *ONE_NODE, f"--log-dir={logs}", "--", *convert])
+    fields = cluster.wait_for_job(
+        job_id,
+        lambda job: job["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"),
+        timeout_s=180,
+        what="finished",
+    )
+    log = "".join(path.read_text() for path in logs.glob("*.out"))
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (fields, log[-3000:])
+    assert f"wrote {out} (Qwen3MoeForCausalLM, world 2" in log
+    assert (out / "megatron_rl.json").is_file()

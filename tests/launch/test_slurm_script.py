@@ -182,5 +182,7 @@ def test_the_cli_refuses_before_submitting(tmp_path):
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="scripts/install_slurm.sh")
 def test_the_repository_scripts_pass_shellcheck(tmp_path):
-    for script in sorted((REPO / "scripts").glob("*.sh")):
+    scripts = [*(REPO / "scripts").glob("*.sh"), *(REPO / "examples" / "slurm").glob("*.sbatch")]
+    assert len(scripts) > 5
+    for script in sorted(scripts):
         assert _shellcheck(script.read_text(), tmp_path) == "", script

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_rl.bench.drift.grid import load_grid
-from megatron_rl.bench.drift.runner import run_grid
+from megatron_rl.bench.drift.grid import DriftGrid, load_grid
+from megatron_rl.bench.drift.runner import prepare_grid, run_grid
 
 
 def run_drift_benchmark(
@@ -24,11 +24,33 @@ def run_drift_benchmark(
     models_dir: Path,
     rerun_crashed: bool = False,
     overrides: list[str] = (),
-) -> Path:
-    """Run the grid's runs that have not ended, then write the report; returns report.md."""
+    only: int | None = None,
+) -> Path | None:
+    """Run the grid's runs that have not ended, then write the report; returns report.md.
+    With `only`, run just that run (a job array's task) and write no report."""
     grid = load_grid(recipe, grid_file, list(overrides))
     print(f"drift grid: {len(grid.runs)} runs into {out}", flush=True)
-    run_grid(grid, out, jobs=jobs, models_dir=models_dir, rerun_crashed=rerun_crashed)
+    run_grid(grid, out, jobs=jobs, models_dir=models_dir, rerun_crashed=rerun_crashed, only=only)
+    return None if only is not None else _write_report(grid, out)
+
+
+def prepare_drift_benchmark(
+    recipe: str, grid_file: str | None, out: Path, *, models_dir: Path, overrides: list[str] = ()
+) -> list[str]:
+    """Claim `out` and build the base models, for a job array of the grid's runs; the run ids
+    (array task i runs run i)."""
+    grid = load_grid(recipe, grid_file, list(overrides))
+    return prepare_grid(grid, out, models_dir=models_dir)
+
+
+def report_drift_benchmark(
+    recipe: str, grid_file: str | None, out: Path, overrides: list[str] = ()
+) -> Path:
+    """Write the report of the runs in `out` that have ended; returns report.md."""
+    return _write_report(load_grid(recipe, grid_file, list(overrides)), out)
+
+
+def _write_report(grid: DriftGrid, out: Path) -> Path:
     from megatron_rl.bench.drift.report import write_report  # matplotlib: only when reporting
 
     return write_report(grid, out)

@@ -82,22 +82,55 @@ def run_grid(
     jobs: int,
     models_dir: Path,
     rerun_crashed: bool = False,
+    only: int | None = None,
     progress: Callable[[str], None] = print,
 ) -> None:
-    """Run every run of `grid` that has not ended yet (and crashed ones with `rerun_crashed`)."""
+    """Run every run of `grid` that has not ended yet (and crashed ones with `rerun_crashed`);
+    with `only`, just run number `only` (a task of a job array), whose base model must have
+    been built (`prepare_grid`)."""
     check_results_dir(out, grid)
+    runs = grid.runs if only is None else [_run_number(grid, only, models_dir)]
     pending = []
-    for run in grid.runs:
+    for run in runs:
         status = read_status(out, run)
         if status is None or (rerun_crashed and status["state"] == CRASHED):
             pending.append(run)
-    skipped = len(grid.runs) - len(pending)
+    skipped = len(runs) - len(pending)
     if skipped:
-        progress(f"{skipped} of {len(grid.runs)} runs already ended; running {len(pending)}")
+        progress(f"{skipped} of {len(runs)} runs already ended; running {len(pending)}")
     failed_builds: dict[str, str] = {}
     tasks = _build_tasks(pending, models_dir, failed_builds)
     tasks += [_run_task(grid, out, run, models_dir, failed_builds) for run in pending]
     _Scheduler(tasks, jobs, threads=grid.threads, progress=progress).run(total_runs=len(pending))
+
+
+def prepare_grid(
+    grid: DriftGrid, out: Path, *, models_dir: Path, progress: Callable[[str], None] = print
+) -> list[str]:
+    """Claim `out` for `grid` and build the base models its runs need, so that the runs can
+    then be started one by one, at once (a job array: `run_grid(..., only=i)`); the run ids,
+    in run-number order."""
+    check_results_dir(out, grid)
+    failed: dict[str, str] = {}
+    tasks = _build_tasks(grid.runs, models_dir, failed)
+    _Scheduler(tasks, 1, threads=grid.threads, progress=progress).run(total_runs=0)
+    if failed:
+        raise GridError(f"base models not built: {failed}")
+    return [run.run_id for run in grid.runs]
+
+
+def _run_number(grid: DriftGrid, number: int, models_dir: Path) -> PlannedRun:
+    if not 0 <= number < len(grid.runs):
+        raise GridError(
+            f"--run-index: {number} is not a run of this grid (0 .. {len(grid.runs) - 1})"
+        )
+    run = grid.runs[number]
+    if run.shape is not None and not base_models.is_built(models_dir, run.shape):
+        raise GridError(
+            f"--run-index {number} ({run.run_id}): its base model "
+            f"{base_models.shape_name(run.shape)} is not in {models_dir}; run --prepare first"
+        )
+    return run
 
 
 def _build_tasks(runs: list[PlannedRun], models_dir: Path, failed: dict[str, str]) -> list[_Task]:

@@ -11,7 +11,11 @@ import sys
 import pytest
 import yaml
 
-from megatron_rl.bench.drift import run_drift_benchmark
+from megatron_rl.bench.drift import (
+    prepare_drift_benchmark,
+    report_drift_benchmark,
+    run_drift_benchmark,
+)
 from megatron_rl.bench.drift.grid import GridError, load_grid
 from megatron_rl.bench.drift.runner import check_results_dir
 from tests.trainer.run_cli import RECIPE, SHORT_RUN
@@ -73,6 +77,34 @@ def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
     other = write_grid(tmp_path, TINY | {"seeds": [1, 2]}, "other.yaml")
     with pytest.raises(GridError, match=r"another grid or recipe \(seeds"):
         check_results_dir(out, load_grid(str(RECIPE), str(other)))
+
+
+def test_a_job_array_runs_one_run_per_task_then_reports(tmp_path, capsys):
+    """--prepare, --run-index I (a job array's task), --report-only, as docs/drift.md runs them
+    on SLURM; the run is the crashing arm's, which ends in seconds."""
+    grid_file, out, models = write_grid(tmp_path, TINY), tmp_path / "results", tmp_path / "models"
+    args = (str(RECIPE), str(grid_file), out)
+    run_ids = prepare_drift_benchmark(*args, models_dir=models)
+    assert run_ids == [run.run_id for run in load_grid(str(RECIPE), str(grid_file)).runs]
+    broken = run_ids.index("broken--base--seed1")
+    assert len(run_ids) == 3 and not (out / "runs").exists()
+    assert run_drift_benchmark(*args, jobs=1, models_dir=models, only=broken) is None
+    assert "[1/1] broken--base--seed1: CRASHED" in capsys.readouterr().out
+    assert [path.name for path in (out / "runs").iterdir()] == ["broken--base--seed1"]
+    with pytest.raises(GridError, match=r"--run-index: 3 is not a run of this grid \(0 .. 2\)"):
+        run_drift_benchmark(*args, jobs=1, models_dir=models, only=3)
+    report = report_drift_benchmark(*args).read_text()
+    assert "3 runs: 0 done, 1 crashed, 2 not run." in report
+    # A run on a base model of another shape needs --prepare first (which builds it).
+    deep = {"name": "depth", "field": "base_model.layers", "values": [2], "arms": ["broken"]}
+    deep_grid = write_grid(tmp_path, TINY | {"sweeps": [deep]}, "deep.yaml")
+    deep_ids = [run.run_id for run in load_grid(str(RECIPE), str(deep_grid)).runs]
+    number = deep_ids.index("broken--layers=2--seed1")
+    message = rf"--run-index {number} \(broken--layers=2--seed1\): its base .* --prepare first"
+    with pytest.raises(GridError, match=message):
+        run_drift_benchmark(
+            str(RECIPE), str(deep_grid), tmp_path / "deep", jobs=1, models_dir=models, only=number
+        )
 
 
 @pytest.mark.parametrize(
