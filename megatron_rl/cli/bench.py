@@ -27,6 +27,35 @@ class _BenchCommand:
     run: Callable[[ModuleType, argparse.Namespace], dict]
 
 
+# The sizes of `bench train-step`; unset ones keep TrainStepSpec's defaults (a ~3 B-parameter
+# MoE for one GPU: megatron_rl/bench/train_step.py), which that module, importing megatron-core,
+# is not loaded to read here.
+_TRAIN_STEP_SIZES = (
+    ("layers", "layers"),
+    ("hidden", "hidden size"),
+    ("heads", "attention heads"),
+    ("kv-heads", "key/value heads"),
+    ("experts", "routed experts"),
+    ("topk", "experts per token"),
+    ("moe-ffn", "expert FFN width"),
+    ("vocab", "vocabulary size"),
+    ("seq", "tokens per sequence"),
+    ("micro-batch", "sequences per micro-batch"),
+    ("micro-batches", "micro-batches per optimizer step"),
+    ("steps", "timed optimizer steps (after one warm-up)"),
+    ("matmul-size", "size of the square product that measures the peak"),
+)
+
+
+def _train_step_spec(bench: ModuleType, args: argparse.Namespace) -> object:
+    given = {
+        name.replace("-", "_"): getattr(args, name.replace("-", "_"))
+        for name, _ in _TRAIN_STEP_SIZES
+    }
+    given |= {"dtype": args.dtype, "recompute": args.recompute}
+    return bench.TrainStepSpec(**{key: value for key, value in given.items() if value is not None})
+
+
 BENCH_COMMANDS = {
     "logprobs": _BenchCommand(
         "megatron_rl.bench.logprobs",
@@ -51,6 +80,7 @@ BENCH_COMMANDS = {
                 "--threads",
                 {"type": int, "default": 0, "help": "torch threads (0: torch's default)"},
             ),
+            ("--device", {"choices": ["cpu", "cuda"], "default": "cpu"}),
         ),
         lambda bench, args: bench.run_benchmark(
             bench.LogprobBenchSpec(
@@ -60,6 +90,7 @@ BENCH_COMMANDS = {
                 repeats=args.repeats,
                 chunk_tokens=args.chunk_tokens,
                 threads=args.threads,
+                device=args.device,
             )
         ),
     ),
@@ -150,6 +181,19 @@ BENCH_COMMANDS = {
             ),
             Path(args.workdir),
         ),
+    ),
+    "train-step": _BenchCommand(
+        "megatron_rl.bench.train_step",
+        "training step of a random MoE on one rank: tokens/s and MFU against the matmul peak",
+        (
+            *(
+                (f"--{name}", {"type": positive_int, "default": None, "help": what})
+                for name, what in _TRAIN_STEP_SIZES
+            ),
+            ("--dtype", {"choices": ["bfloat16", "float32"], "default": None}),
+            ("--recompute", {"action": "store_true", "default": None}),
+        ),
+        lambda bench, args: bench.run_benchmark(_train_step_spec(bench, args)),
     ),
 }
 

@@ -18,6 +18,7 @@ def test_bench_logprobs_writes_json_and_markdown(tmp_path, capsys):
         result = report["results"][variant]
         assert result["seconds_median"] > 0 and len(result["seconds_all"]) == 1
         assert result["logits_mib"] == 64 * 3000 * 2 / 2**20
+        assert 0 < result["floor_seconds"] < result["seconds_median"]
     assert report["machine"]["cores"] >= 1 and report["date"]
     table = (out / "logprobs.md").read_text()
     assert "| naive |" in table and "| chunked |" in table
