@@ -116,7 +116,9 @@ def _slurm_convert(args: argparse.Namespace) -> int:
 
 def _add_job_options(parser: argparse.ArgumentParser) -> None:
     """The options every SLURM job takes: nodes, GPUs, partition, account, time, ..."""
-    parser.add_argument("--nodes", type=positive_int, required=True, help="nodes that train")
+    parser.add_argument(
+        "--nodes", type=positive_int, required=True, help="nodes that run the ranks (that train)"
+    )
     parser.add_argument(
         "--gpus-per-node", type=positive_int, default=8, help="ranks per node, one per GPU (8)"
     )
