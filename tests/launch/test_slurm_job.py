@@ -7,6 +7,8 @@ submitted by `megatron-rl launch slurm-convert` runs on 2 ranks."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import time
@@ -58,11 +60,18 @@ def _submit(cluster: SlurmCluster, launch_args: list[str]) -> str:
     return result.stdout.split()[2]
 
 
+def _logged_steps(metrics) -> set[int]:
+    """The steps of the complete lines of a metrics.jsonl being written."""
+    if not metrics.exists():
+        return set()
+    lines = metrics.read_text().split("\n")[:-1]  # the last is empty or still being written
+    return {json.loads(line)["step"] for line in lines}
+
+
 def _wait_for_step(run_dir, step: int, job_id: str, cluster: SlurmCluster) -> None:
     deadline = time.monotonic() + 240
-    metrics = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if metrics.exists() and f'"step": {step},' in metrics.read_text():
+        if step in _logged_steps(run_dir / "metrics.jsonl"):
             return
         state = cluster.job(job_id)["JobState"]
         assert state in ("PENDING", "RUNNING"), cluster.job(job_id)
@@ -92,7 +101,13 @@ def test_a_preempted_job_checkpoints_requeues_resumes_and_repeats_torchrun(tmp_p
     assert fields["JobState"] == "COMPLETED", (fields, log, train_logs[-3000:])
     assert fields["Restarts"] == "1" and fields["ExitCode"] == "0:0", fields
     assert "requeueing job" in log and "start 1: training on" in log, log
-    assert "stopped after step 2" in train_logs and "continue it with --resume" in train_logs
+    # The signal came after step 1 was logged: the run stops after the step it is in (1, while
+    # its checkpoint is being written, or 2), and resumes from that step's checkpoint.
+    stopped = re.search(
+        r"megatron-rl: stopped after step (\d); its checkpoint is (\S+);", train_logs
+    )
+    assert stopped and stopped[1] in ("1", "2"), train_logs[-3000:]
+    assert stopped[2].endswith(f"step_00000{stopped[1]}") and "--resume" in train_logs
     check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)))
     assert (run_dir / "export" / "config.json").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
