@@ -66,6 +66,11 @@ class Cluster:
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def budget_bytes(self) -> int:
+        """What a rank may hold: the GPU's memory less the reserve."""
+        return int((self.gpu_memory_gib - self.reserve_gib) * GIB)
+
 
 @dataclass(frozen=True)
 class RankParameters:
@@ -237,10 +242,6 @@ class Plan:
     engine_bytes: int
     largest_micro_batch: int
 
-    @property
-    def budget(self) -> int:
-        return int((self.cluster.gpu_memory_gib - self.cluster.reserve_gib) * GIB)
-
     def worst(self) -> RankMemory:
         """The fullest rank (a stage-0 rank hosting a server, if any does)."""
         candidates = list(self.stages)
@@ -250,7 +251,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.worst().total <= self.budget
+        return self.worst().total <= self.cluster.budget_bytes
 
 
 def load_model(recipe: Recipe, model_config: Path | None = None) -> MoEModelConfig:
@@ -286,13 +287,11 @@ def make_plan(recipe: Recipe, model: MoEModelConfig, cluster: Cluster) -> Plan:
         at = dataclasses.replace(work, micro_batch=micro_batch)
         return [rank_memory(model, dims, recipe, at, stage) for stage in range(dims.pp)]
 
-    budget = int((cluster.gpu_memory_gib - cluster.reserve_gib) * GIB)
-
     def fits_at(micro_batch: int) -> bool:
         stages = stages_at(micro_batch)
         worst = max(memory.total for memory in stages)
         hosted = stages[0].total + engine_bytes if engine_ranks else 0
-        return max(worst, hosted) <= budget
+        return max(worst, hosted) <= cluster.budget_bytes
 
     per_rank = max(1, work.samples_per_update // dims.dp)
     largest = 0
@@ -361,13 +360,12 @@ def format_plan(plan: Plan) -> str:
             f"= {_gib(plan.engine_bytes)} GiB"
         )
     worst = plan.worst()
-    budget = cluster.gpu_memory_gib - cluster.reserve_gib
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines += [
         "",
         f"{verdict}: the fullest rank (stage {worst.stage}"
         + (", with the server" if worst.engine else "")
-        + f") needs {_gib(worst.total)} GiB of {budget:g} "
+        + f") needs {_gib(worst.total)} GiB of {_gib(cluster.budget_bytes)} "
         f"({cluster.gpu_memory_gib:g} GiB less {cluster.reserve_gib:g} reserved)",
         f"largest micro-batch that fits: {plan.largest_micro_batch}"
         + (" (none: even one sequence does not)" if plan.largest_micro_batch == 0 else ""),
