@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.processes import free_port
@@ -106,7 +107,9 @@ class SlurmCluster:
         text = self.run("scontrol", "--oneliner", "show", "job", job_id).stdout
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
-    def wait_for_job(self, job_id: str, done: callable, timeout_s: float, what: str) -> dict:
+    def wait_for_job(
+        self, job_id: str, done: Callable[[dict[str, str]], bool], timeout_s: float, what: str
+    ) -> dict[str, str]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             fields = self.job(job_id)
@@ -128,7 +131,7 @@ class SlurmCluster:
         )
         log.close()
 
-    def _wait(self, ready: callable, what: str, timeout_s: float = 60) -> None:
+    def _wait(self, ready: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             dead = [p.args[0] for p in self.processes if p.poll() is not None]
