@@ -43,7 +43,7 @@ from megatron_rl.files.hf_checkpoint import read_config, read_config_file
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import family_for
 from megatron_rl.moe.replay_mode import RoutingReplayMode
-from megatron_rl.parallel.dims import ParallelDims
+from megatron_rl.parallel.dims import ParallelConfig, ParallelDims
 from megatron_rl.trainer.recipe import Recipe
 
 GIB = 2**30
@@ -244,10 +244,7 @@ class Plan:
 
     def worst(self) -> RankMemory:
         """The fullest rank (a stage-0 rank hosting a server, if any does)."""
-        candidates = list(self.stages)
-        if self.engine_ranks:
-            candidates.append(dataclasses.replace(self.stages[0], engine=self.engine_bytes))
-        return max(candidates, key=lambda memory: memory.total)
+        return fullest_rank(self.stages, self.engine_ranks, self.engine_bytes)
 
     @property
     def fits(self) -> bool:
@@ -264,16 +261,31 @@ def load_model(recipe: Recipe, model_config: Path | None = None) -> MoEModelConf
     return family_for(hf_config).config_from_hf(hf_config)
 
 
+def fullest_rank(stages: list[RankMemory], engine_ranks: int, engine_bytes: int) -> RankMemory:
+    """The fullest of the ranks of `stages`, counting a colocated server's `engine_bytes` on
+    the first `engine_ranks` ranks (all of stage 0)."""
+    candidates = list(stages)
+    if engine_ranks:
+        candidates.append(dataclasses.replace(stages[0], engine=engine_bytes))
+    return max(candidates, key=lambda memory: memory.total)
+
+
+def cluster_layout(parallel: ParallelConfig, nodes: int, gpus_per_node: int) -> ParallelDims:
+    """`parallel` over nodes x GPUs; a ValueError with the arithmetic when it cannot be."""
+    world_size = nodes * gpus_per_node
+    try:
+        return ParallelDims.of(parallel, world_size)
+    except ValueError as error:
+        raise ValueError(
+            f"parallel (over --nodes {nodes} x --gpus-per-node {gpus_per_node} = "
+            f"{world_size} ranks): {error}"
+        ) from None
+
+
 def make_plan(recipe: Recipe, model: MoEModelConfig, cluster: Cluster) -> Plan:
     """The plan of `recipe` for `model` on `cluster`; a ValueError with the arithmetic when the
     layout cannot split the model over the cluster."""
-    try:
-        dims = ParallelDims.of(recipe.parallel, cluster.world_size)
-    except ValueError as error:
-        raise ValueError(
-            f"parallel (over {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs = "
-            f"{cluster.world_size} ranks): {error}"
-        ) from None
+    dims = cluster_layout(recipe.parallel, cluster.nodes, cluster.gpus_per_node)
     model.check_split(dims)
     sglang = recipe.rollout.sglang
     colocated = (
@@ -288,10 +300,8 @@ def make_plan(recipe: Recipe, model: MoEModelConfig, cluster: Cluster) -> Plan:
         return [rank_memory(model, dims, recipe, at, stage) for stage in range(dims.pp)]
 
     def fits_at(micro_batch: int) -> bool:
-        stages = stages_at(micro_batch)
-        worst = max(memory.total for memory in stages)
-        hosted = stages[0].total + engine_bytes if engine_ranks else 0
-        return max(worst, hosted) <= cluster.budget_bytes
+        worst = fullest_rank(stages_at(micro_batch), engine_ranks, engine_bytes)
+        return worst.total <= cluster.budget_bytes
 
     per_rank = max(1, work.samples_per_update // dims.dp)
     largest = 0

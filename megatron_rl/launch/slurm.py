@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_rl.files.hf_checkpoint import read_config
+from megatron_rl.launch.plan import cluster_layout
 from megatron_rl.models.families import family_for
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.trainer.recipe import Recipe
@@ -125,14 +126,7 @@ class RolloutNodes:
 def check_layout(recipe: Recipe, job: SlurmJob, *, model_must_exist: bool) -> ParallelDims:
     """The recipe's layout over the job's trainer ranks, with the model's split checked when its
     config.json is readable (always, when `model_must_exist`)."""
-    world_size = job.nodes * job.gpus_per_node
-    try:
-        dims = ParallelDims.of(recipe.parallel, world_size)
-    except ValueError as error:
-        raise ValueError(
-            f"parallel (over --nodes {job.nodes} x --gpus-per-node {job.gpus_per_node} = "
-            f"{world_size} ranks): {error}"
-        ) from None
+    dims = cluster_layout(recipe.parallel, job.nodes, job.gpus_per_node)
     hf_path = Path(recipe.model.hf_path)
     if not hf_path.is_absolute():
         hf_path = Path(job.workdir) / hf_path
