@@ -13,15 +13,20 @@ from megatron_rl.algo.losses import (
     get_policy_loss,
     policy_loss_names,
 )
-from megatron_rl.algo.ratios import EXTREME_RATIO_TAUS, extreme_token_frac
+from megatron_rl.algo.mismatch import MISMATCH_CORRECTIONS, MISMATCH_LEVELS, MismatchCorrection
+from megatron_rl.algo.ratios import EXTREME_RATIO_TAUS, LOG_RATIO_CLAMP, extreme_token_frac
 from megatron_rl.algo.segments import subsentence_segment_ids
 
 __all__ = [
     "DEFAULT_LOSS_AGG",
     "EXTREME_RATIO_TAUS",
+    "LOG_RATIO_CLAMP",
     "LOSS_AGG_MODES",
+    "MISMATCH_CORRECTIONS",
+    "MISMATCH_LEVELS",
     "POLICY_LOSSES",
     "GroupAdvantages",
+    "MismatchCorrection",
     "PolicyLoss",
     "PolicyLossSpec",
     "compute_policy_loss",

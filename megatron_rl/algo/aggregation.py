@@ -10,6 +10,7 @@ summed.
 |-----------------------------|-------------|--------------------------------|------------------|
 | seq-mean-token-mean         | 1 / |y_i|   | number of non-empty sequences  | GRPO, GSPO paper |
 | token-mean                  | 1           | number of response tokens      | DAPO, CISPO      |
+| seq-mean-token-sum          | 1           | number of non-empty sequences  | verl's option    |
 | seq-mean-token-sum-norm     | 1           | sequences * max_response_len   | Dr. GRPO         |
 """
 
@@ -22,7 +23,12 @@ from torch import Tensor
 
 from megatron_rl.algo.ratios import ShardSum, response_lengths, whole_sequences
 
-LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "seq-mean-token-mean",
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
 DEFAULT_LOSS_AGG = "seq-mean-token-mean"
 
 
@@ -68,6 +74,8 @@ def aggregation(
         return Aggregation(ones / lengths.clamp(min=1)[:, None], num_sequences)
     if loss_agg == "token-mean":
         return Aggregation(ones, lengths.sum())
+    if loss_agg == "seq-mean-token-sum":
+        return Aggregation(ones, num_sequences)
     longest = int(lengths.max())
     if longest > max_response_len:
         raise ValueError(

@@ -27,6 +27,8 @@ class PolicyLossBatch:
         mask: `[B, T]` bool, true on response tokens.
         segment_ids: `[B, T]` long segment index of each token within its row, or None.
         old_entropy: `[B, T]` old-policy token entropy, or None.
+        engine_logp: `[B, T]` the rollout engine's log-probs (no gradient), or None.
+        entropy: `[B, T]` current-policy token entropy (carries its gradient), or None.
         shard_sum: sums per-row partial statistics over the shards of the rows (identity when
             rows are whole).
     """
@@ -38,6 +40,8 @@ class PolicyLossBatch:
     segment_ids: Tensor | None
     old_entropy: Tensor | None
     shard_sum: ShardSum
+    engine_logp: Tensor | None = None
+    entropy: Tensor | None = None
 
     def token_advantages(self) -> Tensor:
         """`[B, T]` advantage of every token (a per-sequence advantage repeats along its row)."""
@@ -156,11 +160,14 @@ def _check_finite_values(tensors: dict[str, Tensor | None]) -> None:
     adv_mask = mask.any(dim=1) if advantages.dim() == 1 else mask
     for name, where in (("logp", mask), ("old_logp", mask), ("advantages", adv_mask)):
         _require_finite_on(name, tensors[name], where)
-    entropy = tensors["old_entropy"]
-    if entropy is not None:
-        _require_finite_on("old_entropy", entropy, mask)
-        if bool(((entropy < 0) & mask).any()):
-            raise ValueError("old_entropy: token entropy must be >= 0 on response tokens")
+    if tensors["engine_logp"] is not None:
+        _require_finite_on("engine_logp", tensors["engine_logp"], mask)
+    for name in ("old_entropy", "entropy"):
+        entropy = tensors[name]
+        if entropy is not None:
+            _require_finite_on(name, entropy, mask)
+            if bool(((entropy.detach() < 0) & mask).any()):
+                raise ValueError(f"{name}: token entropy must be >= 0 on response tokens")
 
 
 def validate_policy_loss_inputs(
@@ -171,6 +178,8 @@ def validate_policy_loss_inputs(
     segment_ids: object,
     old_entropy: object,
     *,
+    engine_logp: object = None,
+    entropy: object = None,
     check_finite: bool,
     shard_sum: ShardSum,
 ) -> PolicyLossBatch:
@@ -188,22 +197,31 @@ def validate_policy_loss_inputs(
         "advantages", adv_t, shape[:1] if adv_t.dim() == 1 else shape, f"{adv_shape} (or [B, T])"
     )
     seg_t = None if segment_ids is None else _check_segment_ids(segment_ids, shape, mask_t)
-    entropy_t = None
-    if old_entropy is not None:
-        entropy_t = _require_float("old_entropy", old_entropy, shape, "[B, T] like logp")
+    optional = {"old_entropy": old_entropy, "engine_logp": engine_logp, "entropy": entropy}
+    given = {
+        name: None if value is None else _require_float(name, value, shape, "[B, T] like logp")
+        for name, value in optional.items()
+    }
     tensors = {"logp": logp_t, "old_logp": old_logp_t, "advantages": adv_t, "mask": mask_t}
-    tensors |= {"segment_ids": seg_t, "old_entropy": entropy_t}
+    tensors |= {"segment_ids": seg_t, **given}
     _check_one_device(tensors)
     if check_finite:
         _check_finite_values(tensors)
 
     work_dtype = torch.promote_types(logp_t.dtype, torch.float32)
+
+    def detached(name: str) -> Tensor | None:
+        value = given[name]
+        return None if value is None else value.detach().to(work_dtype)
+
     return PolicyLossBatch(
         logp=logp_t.to(work_dtype),
         old_logp=old_logp_t.detach().to(work_dtype),
         advantages=adv_t.detach().to(work_dtype),
         mask=mask_t,
         segment_ids=seg_t,
-        old_entropy=None if entropy_t is None else entropy_t.detach().to(work_dtype),
+        old_entropy=detached("old_entropy"),
         shard_sum=shard_sum,
+        engine_logp=detached("engine_logp"),
+        entropy=None if given["entropy"] is None else given["entropy"].to(work_dtype),
     )

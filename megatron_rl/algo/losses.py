@@ -8,6 +8,7 @@ Notation: d_t = logp_t - old_logp_t on response tokens, |y_i| = response length 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -17,10 +18,13 @@ from torch import Tensor
 
 from megatron_rl.algo.aggregation import DEFAULT_LOSS_AGG, aggregation
 from megatron_rl.algo.inputs import PolicyLossBatch, check_bound, validate_policy_loss_inputs
+from megatron_rl.algo.mismatch import MismatchCorrection, mismatch_metrics, mismatch_weights
 from megatron_rl.algo.ratios import (
     EXTREME_RATIO_TAUS,
+    dual_clip_bound,
     extreme_token_frac,
     ppo_clip,
+    ratio_from_log,
     segment_mean,
     segments_to_tokens,
     sequence_mean,
@@ -44,6 +48,7 @@ class TokenObjective(NamedTuple):
     clipped_high: Tensor  # bool
     unit_ratios: UnitRatios
     extra_metrics: dict[str, Tensor]
+    clipped_dual: Tensor | None = None  # bool; None for a loss without dual-clip
 
 
 def _spread(per_sequence: Tensor, mask: Tensor) -> Tensor:
@@ -58,40 +63,50 @@ def _detached_unit_exp(log_p: Tensor, mask: Tensor) -> Tensor:
     return torch.exp(log_p - log_p.detach())
 
 
-def grpo_objective(batch: PolicyLossBatch, clip_low: float, clip_high: float) -> TokenObjective:
+def grpo_objective(
+    batch: PolicyLossBatch, clip_low: float, clip_high: float, *, dual_clip: float | None
+) -> TokenObjective:
     """GRPO (DeepSeekMath, arXiv 2402.03300, Eq. 3 without the KL term): token ratio
-    r_t = exp(d_t), obj_t = min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t)."""
+    r_t = exp(d_t), obj_t = min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t), for
+    A_t < 0 bounded below by dual_clip * A_t."""
     mask = batch.mask
-    ratio = torch.exp(token_log_ratio(batch.logp, batch.old_logp, mask))
-    clipped = ppo_clip(ratio, batch.token_advantages(), 1 - clip_low, 1 + clip_high)
+    ratio = ratio_from_log(token_log_ratio(batch.logp, batch.old_logp, mask))
+    clipped = ppo_clip(ratio, batch.token_advantages(), 1 - clip_low, 1 + clip_high, dual_clip)
     return TokenObjective(
         objective=torch.where(mask, clipped.objective, torch.zeros_like(ratio)),
         clipped_low=clipped.clipped_low & mask,
         clipped_high=clipped.clipped_high & mask,
         unit_ratios=UnitRatios(ratio, mask),
         extra_metrics={},
+        clipped_dual=clipped.clipped_dual & mask,
     )
 
 
-def gspo_objective(batch: PolicyLossBatch, clip_low: float, clip_high: float) -> TokenObjective:
+def gspo_objective(
+    batch: PolicyLossBatch, clip_low: float, clip_high: float, *, dual_clip: float | None
+) -> TokenObjective:
     """GSPO (arXiv 2507.18071, Eq. 5 with s_i from Eq. 7): s_i = exp(sum_t d_t / |y_i|),
-    obj_i = min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i); whole sequences clip."""
+    obj_i = min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i); whole sequences clip (and,
+    with dual_clip, bound at dual_clip * A_i for A_i < 0)."""
     mask = batch.mask
-    seq_ratio = torch.exp(
+    seq_ratio = ratio_from_log(
         sequence_mean(token_log_ratio(batch.logp, batch.old_logp, mask), mask, batch.shard_sum)
     )
-    clipped = ppo_clip(seq_ratio, batch.sequence_advantages("gspo"), 1 - clip_low, 1 + clip_high)
+    clipped = ppo_clip(
+        seq_ratio, batch.sequence_advantages("gspo"), 1 - clip_low, 1 + clip_high, dual_clip
+    )
     return TokenObjective(
         objective=_spread(clipped.objective, mask),
         clipped_low=_spread(clipped.clipped_low, mask),
         clipped_high=_spread(clipped.clipped_high, mask),
         unit_ratios=UnitRatios(seq_ratio, mask.any(dim=1)),
         extra_metrics={},
+        clipped_dual=_spread(clipped.clipped_dual, mask),
     )
 
 
 def gspo_token_objective(
-    batch: PolicyLossBatch, clip_low: float, clip_high: float
+    batch: PolicyLossBatch, clip_low: float, clip_high: float, *, dual_clip: float | None
 ) -> TokenObjective:
     """GSPO-token (arXiv 2507.18071, Eq. 13 with s_it from Eq. 14): s_it = sg[s_i] *
     exp(logp_t - sg[logp_t]), per-token clip with per-token advantages. Its value is s_i and its
@@ -100,14 +115,15 @@ def gspo_token_objective(
     log_seq_ratio = sequence_mean(
         token_log_ratio(batch.logp, batch.old_logp, mask), mask, batch.shard_sum
     )
-    ratio = torch.exp(log_seq_ratio.detach())[:, None] * _detached_unit_exp(batch.logp, mask)
-    clipped = ppo_clip(ratio, batch.token_advantages(), 1 - clip_low, 1 + clip_high)
+    ratio = ratio_from_log(log_seq_ratio.detach())[:, None] * _detached_unit_exp(batch.logp, mask)
+    clipped = ppo_clip(ratio, batch.token_advantages(), 1 - clip_low, 1 + clip_high, dual_clip)
     return TokenObjective(
         objective=torch.where(mask, clipped.objective, torch.zeros_like(ratio)),
         clipped_low=clipped.clipped_low & mask,
         clipped_high=clipped.clipped_high & mask,
         unit_ratios=UnitRatios(ratio, mask),
         extra_metrics={},
+        clipped_dual=clipped.clipped_dual & mask,
     )
 
 
@@ -118,6 +134,7 @@ def sspo_objective(
     *,
     sspo_entropy_coef: float,
     sspo_lower: str,
+    dual_clip: float | None,
 ) -> TokenObjective:
     """SSPO (arXiv 2511.04256): segment ratio s_ij = exp(mean of d_t over segment j of row i),
     clipped to [lower_ij, upper_ij] with H_ij the mean old-policy entropy of the segment:
@@ -129,7 +146,7 @@ def sspo_objective(
     assert segment_ids is not None  # checked by compute_policy_loss
     log_ratio = token_log_ratio(batch.logp, batch.old_logp, mask)
     segments = segment_mean(log_ratio, segment_ids, mask, batch.shard_sum)
-    seg_ratio = torch.exp(segments.means)  # [B, S]
+    seg_ratio = ratio_from_log(segments.means)  # [B, S]
     if sspo_entropy_coef != 0.0:
         assert batch.old_entropy is not None  # checked by compute_policy_loss
         entropy = segment_mean(batch.old_entropy, segment_ids, mask, batch.shard_sum).means
@@ -142,7 +159,7 @@ def sspo_objective(
     else:
         lower = torch.full_like(seg_ratio, 1 - clip_low)
     seg_advantages = batch.sequence_advantages("sspo")[:, None].expand_as(seg_ratio)
-    clipped = ppo_clip(seg_ratio, seg_advantages, lower, upper)
+    clipped = ppo_clip(seg_ratio, seg_advantages, lower, upper, dual_clip)
     valid_segments = segments.counts > 0
     clipped_segments = (clipped.clipped_low | clipped.clipped_high) & valid_segments
     return TokenObjective(
@@ -154,14 +171,18 @@ def sspo_objective(
             "clip_frac/segment": clipped_segments.sum() / valid_segments.sum(),
             "segments/per_seq": valid_segments.sum() / mask.any(dim=1).sum(),
         },
+        clipped_dual=segments_to_tokens(clipped.clipped_dual, segment_ids, mask),
     )
 
 
-def gmpo_objective(batch: PolicyLossBatch, clip_low: float, clip_high: float) -> TokenObjective:
+def gmpo_objective(
+    batch: PolicyLossBatch, clip_low: float, clip_high: float, *, dual_clip: float | None
+) -> TokenObjective:
     """GMPO (arXiv 2507.20673, Eq. 4): the geometric mean over tokens of the PPO-clipped token
     terms, J_i = A_i * exp(mean_t l_t), with the token log-ratio clipped one-sidedly in log space:
     l_t = min(d_t, clip_high) when A_i > 0 and max(d_t, -clip_low) when A_i < 0, i.e. the ratio is
-    clipped to [e^-clip_low, e^clip_high] (paper: clip_low = clip_high = 0.4)."""
+    clipped to [e^-clip_low, e^clip_high] (paper: clip_low = clip_high = 0.4). For A_i < 0 the
+    mean is unbounded above; dual_clip bounds J_i at dual_clip * A_i there."""
     mask = batch.mask
     log_ratio = token_log_ratio(batch.logp, batch.old_logp, mask)
     advantages = batch.sequence_advantages("gmpo")
@@ -173,15 +194,19 @@ def gmpo_objective(batch: PolicyLossBatch, clip_low: float, clip_high: float) ->
         torch.full_like(log_ratio, clip_high),
         torch.where(clipped_low, torch.full_like(log_ratio, -clip_low), log_ratio),
     )
-    objective = advantages * torch.exp(sequence_mean(clipped_log_ratio, mask, batch.shard_sum))
+    geometric_ratio = ratio_from_log(sequence_mean(clipped_log_ratio, mask, batch.shard_sum))
+    objective, bound = dual_clip_bound(
+        advantages * geometric_ratio, geometric_ratio, advantages, dual_clip
+    )
     return TokenObjective(
         objective=_spread(objective, mask),
         clipped_low=clipped_low,
         clipped_high=clipped_high,
         unit_ratios=UnitRatios(
-            torch.exp(sequence_mean(log_ratio, mask, batch.shard_sum)), mask.any(dim=1)
+            ratio_from_log(sequence_mean(log_ratio, mask, batch.shard_sum)), mask.any(dim=1)
         ),
         extra_metrics={},
+        clipped_dual=_spread(bound, mask),
     )
 
 
@@ -193,7 +218,7 @@ def cispo_objective(batch: PolicyLossBatch, clip_low: float, clip_high: float) -
     whose value (r-hat A) is comparable with the other losses. The paper sets no lower bound
     (clip_low >= 1 does that) and divides by the token count (loss_agg='token-mean')."""
     mask = batch.mask
-    ratio = torch.exp(token_log_ratio(batch.logp, batch.old_logp, mask))
+    ratio = ratio_from_log(token_log_ratio(batch.logp, batch.old_logp, mask))
     weight = ratio.clamp(min=1 - clip_low, max=1 + clip_high).detach()
     objective = weight * batch.token_advantages() * _detached_unit_exp(batch.logp, mask)
     return TokenObjective(
@@ -223,6 +248,17 @@ def _check_sspo_options(options: dict[str, Any], old_entropy: Tensor | None) -> 
     return options | {"sspo_entropy_coef": coef}
 
 
+def _check_dual_clip(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 < value < math.inf:
+        raise ValueError(
+            f"dual_clip: expected None (off) or a finite number > 1 (PPO dual-clip's c, "
+            f"commonly 3), got {value!r}"
+        )
+    return float(value)
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
     """A registered loss: its kernel, its own options and where it comes from."""
@@ -241,21 +277,41 @@ class PolicyLoss:
     check_options: Callable[[dict[str, Any], Tensor | None], dict[str, Any]] | None = None
 
 
+# PPO dual-clip's c for the token-level baseline (verl's default clip_ratio_c); the sequence- and
+# segment-level losses clip whole units at ~1e-4 and are off by default.
+GRPO_DUAL_CLIP = 3.0
+
 POLICY_LOSSES: dict[str, PolicyLoss] = {
-    "grpo": PolicyLoss(grpo_objective, "token", "arXiv 2402.03300", (0.2, 0.27)),
-    "gspo": PolicyLoss(gspo_objective, "sequence", "arXiv 2507.18071", (3e-4, 4e-4)),
-    "gspo_token": PolicyLoss(gspo_token_objective, "token", "arXiv 2507.18071", (3e-4, 4e-4)),
+    "grpo": PolicyLoss(
+        grpo_objective,
+        "token",
+        "arXiv 2402.03300",
+        (0.2, 0.27),
+        options={"dual_clip": GRPO_DUAL_CLIP},
+    ),
+    "gspo": PolicyLoss(
+        gspo_objective, "sequence", "arXiv 2507.18071", (3e-4, 4e-4), options={"dual_clip": None}
+    ),
+    "gspo_token": PolicyLoss(
+        gspo_token_objective,
+        "token",
+        "arXiv 2507.18071",
+        (3e-4, 4e-4),
+        options={"dual_clip": None},
+    ),
     "sspo": PolicyLoss(
         sspo_objective,
         "segment",
         "arXiv 2511.04256",
         (0.2, 0.2),
-        options={"sspo_entropy_coef": 1.0, "sspo_lower": "entropy"},
+        options={"sspo_entropy_coef": 1.0, "sspo_lower": "entropy", "dual_clip": None},
         needs_segments=True,
         needs_old_entropy=True,
         check_options=_check_sspo_options,
     ),
-    "gmpo": PolicyLoss(gmpo_objective, "sequence", "arXiv 2507.20673", (0.4, 0.4)),
+    "gmpo": PolicyLoss(
+        gmpo_objective, "sequence", "arXiv 2507.20673", (0.4, 0.4), options={"dual_clip": None}
+    ),
     "cispo": PolicyLoss(cispo_objective, "token", "arXiv 2506.13585", (1.0, 0.28)),
 }
 
@@ -266,6 +322,8 @@ COMMON_OPTIONS: dict[str, Any] = {
     "loss_denominator": None,
     "check_finite": True,
     "shard_sum": None,
+    "mismatch": None,
+    "entropy_coef": 0.0,
 }
 
 
@@ -330,6 +388,8 @@ def compute_policy_loss(
     clip_high: float,
     segment_ids: Tensor | None = None,
     old_entropy: Tensor | None = None,
+    engine_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
     **options: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy loss `name` and its metrics.
@@ -345,6 +405,10 @@ def compute_policy_loss(
         segment_ids: `[B, T]` long segment ids within each row (sspo; see
             `subsentence_segment_ids`).
         old_entropy: `[B, T]` old-policy token entropy (sspo with sspo_entropy_coef != 0).
+        engine_logp: `[B, T]` the rollout engine's log-probs of the same tokens (no gradient;
+            with the `mismatch` option).
+        entropy: `[B, T]` current-policy token entropy, carrying its gradient (with
+            `entropy_coef` > 0).
         **options: `loss_agg` (see `aggregation.LOSS_AGG_MODES`), `max_response_len` (Dr. GRPO's
             constant), `loss_denominator` (a global denominator from `policy_loss_denominator`,
             summed over micro-batches and DP ranks), `check_finite` (default True; costs one
@@ -352,16 +416,23 @@ def compute_policy_loss(
             row, positions it does not hold masked out, and a differentiable sum over the
             ranks sharing the rows, e.g. `megatron_rl.parallel.context.shard_sum`; per-row and
             per-segment sums then cover whole sequences, the default denominator is global, and
-            the ranks' losses add up to the full loss; metrics stay per shard), and the loss's
-            own options (sspo: `sspo_entropy_coef`, `sspo_lower`).
+            the ranks' losses add up to the full loss; metrics stay per shard), `mismatch` (a
+            `MismatchCorrection`: each token's objective is weighted by its detached weight),
+            `entropy_coef` (an entropy bonus: entropy_coef times the aggregated current-policy
+            entropy is added to the objective), and the loss's own options (grpo, gspo,
+            gspo_token, sspo, gmpo: `dual_clip`; sspo: `sspo_entropy_coef`, `sspo_lower`).
 
     Returns:
-        The scalar loss to minimise, `-sum(w * obj) / denominator`, and a dict of detached metric
-        tensors: `clip_frac/{token,seq,low,high}`, `ratio/{mean,max,min}` (at the loss's unit),
-        `log_ratio/abs_max`, `log_ratio/std` (of the token log-ratios d), `kl/k3` (mean of
-        exp(d) - 1 - d, an estimate of KL(old || new)), `log_ratio/frac_tau{1.25,2,5}` (share of
-        tokens whose ratio exceeds tau or 1/tau),
-        `loss/denominator`, and loss-specific ones (sspo: `clip_frac/segment`, `segments/per_seq`).
+        The scalar loss to minimise, `-sum(w * (m * obj + entropy_coef * H)) / denominator`
+        (`m` the mismatch weights, 1 without), and a dict of detached metric tensors:
+        `clip_frac/{token,seq,low,high}` (and `clip_frac/dual` where the loss has dual-clip),
+        `ratio/{mean,max,min}` (at the loss's unit), `log_ratio/abs_max`, `log_ratio/std` (of
+        the token log-ratios d), `kl/k3` (mean of exp(d) - 1 - d, an estimate of
+        KL(old || new)), `log_ratio/frac_tau{1.25,2,5}` (share of tokens whose ratio exceeds tau
+        or 1/tau), `loss/denominator`, with a correction `mismatch/weight_{mean,max}` and
+        `mismatch/{truncated,masked}_{token,seq}_frac`, with an entropy bonus
+        `loss/entropy_bonus`, and loss-specific ones (sspo: `clip_frac/segment`,
+        `segments/per_seq`).
     """
     spec = get_policy_loss(name)
     opts = _resolve_options(name, spec, options)
@@ -376,6 +447,9 @@ def compute_policy_loss(
         )
     if spec.check_options is not None:
         kernel_options = spec.check_options(kernel_options, old_entropy)
+    if "dual_clip" in kernel_options:
+        kernel_options["dual_clip"] = _check_dual_clip(kernel_options["dual_clip"])
+    correction, entropy_coef = _check_extra_terms(opts, engine_logp, entropy)
     batch = validate_policy_loss_inputs(
         logp,
         old_logp,
@@ -383,6 +457,8 @@ def compute_policy_loss(
         mask,
         segment_ids,
         old_entropy,
+        engine_logp=engine_logp if correction is not None else None,
+        entropy=entropy if entropy_coef > 0 else None,
         check_finite=opts["check_finite"],
         shard_sum=opts["shard_sum"] or whole_sequences,
     )
@@ -396,10 +472,48 @@ def compute_policy_loss(
         )
 
     result = spec.kernel(batch, clip_low, clip_high, **kernel_options)
-    loss = -(agg.token_weights * result.objective).sum() / denominator
-    metrics = _metrics(batch, result)
+    objective_weights = agg.token_weights
+    metrics: dict[str, Tensor] = {}
+    if correction is not None:
+        assert batch.engine_logp is not None  # checked by _check_extra_terms
+        corrected = mismatch_weights(
+            batch.old_logp, batch.engine_logp, batch.mask, correction, batch.shard_sum
+        )
+        objective_weights = objective_weights * corrected.weights
+        metrics |= mismatch_metrics(corrected, batch.mask, correction.mode)
+    surrogate = (objective_weights * result.objective).sum()
+    if batch.entropy is not None:
+        bonus = entropy_coef * (agg.token_weights * batch.entropy).sum()
+        surrogate = surrogate + bonus
+        metrics["loss/entropy_bonus"] = bonus.detach() / denominator
+    loss = -surrogate / denominator
+    metrics |= _metrics(batch, result)
     metrics["loss/denominator"] = denominator.detach()
     return loss, metrics
+
+
+def _check_extra_terms(
+    opts: dict[str, Any], engine_logp: Tensor | None, entropy: Tensor | None
+) -> tuple[MismatchCorrection | None, float]:
+    """The mismatch correction and the entropy coefficient, with the inputs they need."""
+    correction = opts["mismatch"]
+    if correction is not None and not isinstance(correction, MismatchCorrection):
+        raise ValueError(
+            f"mismatch: expected None or a MismatchCorrection (MismatchCorrection.of('tis')), "
+            f"got {correction!r}"
+        )
+    if correction is not None and engine_logp is None:
+        raise ValueError(
+            f"engine_logp: the mismatch correction {correction.mode!r} weighs tokens by "
+            "old_logp - engine_logp and needs the engine's log-probs [B, T]"
+        )
+    entropy_coef = check_bound("entropy_coef", opts["entropy_coef"])
+    if entropy_coef > 0 and entropy is None:
+        raise ValueError(
+            "entropy: entropy_coef > 0 adds an entropy bonus and needs the current policy's "
+            "token entropy [B, T] (with its gradient)"
+        )
+    return correction, entropy_coef
 
 
 @torch.no_grad()
@@ -407,6 +521,10 @@ def _metrics(batch: PolicyLossBatch, result: TokenObjective) -> dict[str, Tensor
     mask = batch.mask
     num_tokens = mask.sum()
     clipped = result.clipped_low | result.clipped_high
+    dual: dict[str, Tensor] = {}
+    if result.clipped_dual is not None:
+        clipped = clipped | result.clipped_dual
+        dual["clip_frac/dual"] = result.clipped_dual.sum() / num_tokens
     has_tokens = mask.any(dim=1)
     log_ratio = token_log_ratio(batch.logp, batch.old_logp, mask)
     k3 = torch.where(mask, torch.expm1(log_ratio) - log_ratio, torch.zeros_like(log_ratio))
@@ -428,6 +546,7 @@ def _metrics(batch: PolicyLossBatch, result: TokenObjective) -> dict[str, Tensor
             f"log_ratio/frac_tau{tau}": extreme_token_frac(log_ratio, mask, tau)
             for tau in EXTREME_RATIO_TAUS
         },
+        **dual,
         **{key: value.detach() for key, value in result.extra_metrics.items()},
     }
 

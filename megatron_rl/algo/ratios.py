@@ -29,6 +29,18 @@ def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, logp - old_logp, torch.zeros_like(logp))
 
 
+# |log r| beyond which a ratio is formed from the clamped log-ratio: exp(20) ~ 4.9e8 keeps
+# exp() and its gradient finite in float32 (exp overflows at 88.7), and no ratio a clip range
+# or a correction band admits lies anywhere near it.
+LOG_RATIO_CLAMP = 20.0
+
+
+def ratio_from_log(log_ratio: Tensor) -> Tensor:
+    """exp(log_ratio), with the log-ratio clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]: equal
+    to exp() inside the clamp; outside it the value stops growing and the gradient is 0."""
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
 # The F(tau) thresholds: the share of tokens whose probability differs by more than tau times.
 # 1.25 is the share outside [0.8, 1.25], the routing-drift harness's tail measure.
 EXTREME_RATIO_TAUS = (1.25, 2, 5)
@@ -91,12 +103,30 @@ class ClippedObjective(NamedTuple):
     objective: Tensor  # min(r*A, clip(r, lower, upper)*A): the surrogate to maximise
     clipped_low: Tensor  # bool: A < 0 and r < lower (the clipped branch is taken, no gradient)
     clipped_high: Tensor  # bool: A > 0 and r > upper
+    clipped_dual: Tensor  # bool: A < 0 and r > dual_clip (the objective is c*A, no gradient)
+
+
+def dual_clip_bound(
+    objective: Tensor, ratio: Tensor, advantages: Tensor, dual_clip: float | None
+) -> tuple[Tensor, Tensor]:
+    """PPO dual-clip (Ye et al. 2020, arXiv 1912.09729): for A < 0 the objective is bounded
+    below by c*A, which binds where r > c; returns (objective, where it bound). Without it the
+    gradient of a negative-advantage unit grows with its ratio. `dual_clip` None: no bound."""
+    if dual_clip is None:
+        return objective, torch.zeros_like(ratio, dtype=torch.bool)
+    bound = (advantages < 0) & (ratio > dual_clip)
+    return torch.where(bound, dual_clip * advantages, objective), bound
 
 
 def ppo_clip(
-    ratio: Tensor, advantages: Tensor, lower: Tensor | float, upper: Tensor | float
+    ratio: Tensor,
+    advantages: Tensor,
+    lower: Tensor | float,
+    upper: Tensor | float,
+    dual_clip: float | None = None,
 ) -> ClippedObjective:
-    """PPO-clip, one-sided by the advantage's sign: min(r*A, clip(r, lower, upper)*A).
+    """PPO-clip, one-sided by the advantage's sign: min(r*A, clip(r, lower, upper)*A), and with
+    `dual_clip` c, for A < 0, max of that and c*A (`dual_clip_bound`).
 
     Written with `torch.where` rather than `torch.minimum` so that the clipped branch carries
     exactly zero gradient and the unclipped one exactly A, with no tie-splitting at r == bound.
@@ -108,4 +138,5 @@ def ppo_clip(
     clipped_low = (advantages < 0) & (ratio < lower_t)
     bound = torch.where(clipped_high, upper_t, lower_t)
     objective = torch.where(clipped_high | clipped_low, bound * advantages, ratio * advantages)
-    return ClippedObjective(objective, clipped_low, clipped_high)
+    objective, clipped_dual = dual_clip_bound(objective, ratio, advantages, dual_clip)
+    return ClippedObjective(objective, clipped_low, clipped_high, clipped_dual)

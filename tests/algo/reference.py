@@ -31,31 +31,69 @@ def _aggregate(rows, loss_agg, max_response_len):
         return -sum(sum(objs) / len(objs) for objs in rows) / len(rows)
     if loss_agg == "token-mean":
         return -sum(sum(objs) for objs in rows) / sum(len(objs) for objs in rows)
+    if loss_agg == "seq-mean-token-sum":
+        return -sum(sum(objs) for objs in rows) / len(rows)
     if loss_agg == "seq-mean-token-sum-norm":
         return -sum(sum(objs) / max_response_len for objs in rows) / len(rows)
     raise AssertionError(loss_agg)
 
 
-def grpo(logp, old_logp, advantages, mask, clip_low, clip_high, loss_agg, max_len=None):
+def _dual(obj, adv, dual_clip):
+    """PPO dual-clip: for A < 0, max(obj, c * A)."""
+    if dual_clip is None or float(adv) >= 0:
+        return obj
+    return torch.maximum(obj, dual_clip * adv)
+
+
+def grpo(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    clip_low,
+    clip_high,
+    loss_agg,
+    max_len=None,
+    *,
+    dual_clip=None,
+    weights=None,
+):
+    """`weights` [B, T]: a constant factor on each token's objective (mismatch correction)."""
     rows = []
     for i, positions in _rows(mask):
         objs = []
         for t in positions:
             ratio = torch.exp(logp[i, t] - old_logp[i, t])
             adv = _adv(advantages, i, t)
-            objs.append(torch.minimum(ratio * adv, _clip(ratio, 1 - clip_low, 1 + clip_high) * adv))
+            obj = torch.minimum(ratio * adv, _clip(ratio, 1 - clip_low, 1 + clip_high) * adv)
+            obj = _dual(obj, adv, dual_clip)
+            objs.append(obj if weights is None else weights[i, t] * obj)
         rows.append(objs)
     return _aggregate(rows, loss_agg, max_len)
 
 
-def gspo(logp, old_logp, advantages, mask, clip_low, clip_high, loss_agg, max_len=None):
+def gspo(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    clip_low,
+    clip_high,
+    loss_agg,
+    max_len=None,
+    *,
+    dual_clip=None,
+    weights=None,
+):
     rows = []
     for i, positions in _rows(mask):
         log_seq = sum(logp[i, t] - old_logp[i, t] for t in positions) / len(positions)
         s = torch.exp(log_seq)
         adv = advantages[i]
-        obj = torch.minimum(s * adv, _clip(s, 1 - clip_low, 1 + clip_high) * adv)
-        rows.append([obj] * len(positions))
+        obj = _dual(
+            torch.minimum(s * adv, _clip(s, 1 - clip_low, 1 + clip_high) * adv), adv, dual_clip
+        )
+        rows.append([obj if weights is None else weights[i, t] * obj for t in positions])
     return _aggregate(rows, loss_agg, max_len)
 
 

@@ -1,0 +1,170 @@
+"""Training-inference mismatch correction: a detached per-token weight on the policy loss.
+
+The rollout engine samples with its own kernels and precision, so its probability of a token,
+pi_engine, is not the trainer's pi_old for the same weights. The policy loss's importance ratio is
+taken against pi_old; these corrections reweight each token (or whole sequences) by how far the
+engine's sampling distribution was from pi_old, rho = pi_old / pi_engine:
+
+| mode     | weight                               | levels                     | from            |
+|----------|--------------------------------------|----------------------------|-----------------|
+| `tis`    | min(rho, C)                          | token, sequence, geometric | Yao et al. 2025 |
+| `mis`    | rho inside [lower, upper], 0 outside | token, sequence, geometric | Liu et al. 2025 |
+| `icepop` | rho inside [alpha, beta], 0 outside  | token                      | Ring-1T         |
+
+(Yao et al., "Your efficient RL framework secretly brings you off-policy RL training"; Liu et
+al., "When speed kills stability: demystifying RL collapse from the training-inference
+mismatch"; Ring-1T, arXiv 2510.18855, which calls it IcePop: token-level MIS with a two-sided
+band, named here as its users know it.)
+
+At the token level rho_t = exp(old_t - engine_t); at the sequence level every token of row i
+carries rho_i = exp(sum_t (old_t - engine_t)), the ratio of the whole sequence's probabilities;
+at the geometric level exp(mean_t (old_t - engine_t)), its length-normalised form (as GSPO's
+ratio is). Ratios are formed in log space and compared there, so no product overflows. When the
+engine and the trainer agree exactly every weight is 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from megatron_rl.algo.ratios import ShardSum, sequence_mean, token_log_ratio, whole_sequences
+
+MISMATCH_LEVELS = ("token", "sequence", "geometric")
+
+
+@dataclass(frozen=True)
+class CorrectionKind:
+    """One correction mode: its weight's shape and the defaults of its bounds."""
+
+    masks: bool  # True: rho inside [lower, upper], 0 outside; False: min(rho, upper)
+    levels: tuple[str, ...]
+    default_level: str
+    default_lower: float | None  # None: the mode has no lower bound
+    default_upper: float
+
+
+MISMATCH_CORRECTIONS: dict[str, CorrectionKind] = {
+    "tis": CorrectionKind(False, MISMATCH_LEVELS, "token", None, 2.0),
+    "mis": CorrectionKind(True, MISMATCH_LEVELS, "sequence", 0.0, 2.0),
+    "icepop": CorrectionKind(True, ("token",), "token", 0.5, 5.0),
+}
+
+
+@dataclass(frozen=True)
+class MismatchCorrection:
+    """A validated correction: `mode` one of MISMATCH_CORRECTIONS, `level` one of its levels,
+    `upper` the TIS cap C (>= 1) or the band's upper end (> 1), `lower` the band's lower end
+    (0 <= lower < 1; None for TIS)."""
+
+    mode: str
+    level: str
+    lower: float | None
+    upper: float
+
+    @classmethod
+    def of(
+        cls,
+        mode: str,
+        *,
+        level: str | None = None,
+        lower: float | None = None,
+        upper: float | None = None,
+        key: str = "mismatch",
+    ) -> MismatchCorrection:
+        """`mode` with the given bounds (None: the mode's defaults), checked; errors name
+        `key`'s fields (`mismatch_level`, `mismatch_lower`, `mismatch_upper`)."""
+        if mode not in MISMATCH_CORRECTIONS:
+            raise ValueError(
+                f"{key}: unknown correction {mode!r}; valid: {', '.join(MISMATCH_CORRECTIONS)}"
+            )
+        kind = MISMATCH_CORRECTIONS[mode]
+        level = kind.default_level if level is None else level
+        if level not in kind.levels:
+            raise ValueError(
+                f"{key}_level: {mode} works at level {' or '.join(kind.levels)}, got {level!r}"
+            )
+        upper = kind.default_upper if upper is None else upper
+        if not _finite_number(upper):
+            raise ValueError(f"{key}_upper: expected a finite number, got {upper!r}")
+        if kind.masks:
+            lower = kind.default_lower if lower is None else lower
+            if not _finite_number(lower) or not 0 <= lower < 1 < upper:
+                raise ValueError(
+                    f"{key}_lower, {key}_upper: {mode} keeps ratios inside [lower, upper] and "
+                    f"needs 0 <= lower < 1 < upper, got [{lower}, {upper}]"
+                )
+        else:
+            if lower is not None:
+                raise ValueError(f"{key}_lower: {mode} has no lower bound (mis and icepop do)")
+            if upper < 1:
+                raise ValueError(f"{key}_upper: {mode}'s cap C must be >= 1, got {upper}")
+        return cls(
+            mode=mode,
+            level=level,
+            lower=None if lower is None else float(lower),
+            upper=float(upper),
+        )
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class MismatchWeights(NamedTuple):
+    """All `[B, T]`, 0 / False off the mask."""
+
+    weights: Tensor  # detached weight of each token's objective
+    changed: Tensor  # bool: truncated (tis) or masked (mis, icepop)
+
+
+@torch.no_grad()
+def mismatch_weights(
+    old_logp: Tensor,
+    engine_logp: Tensor,
+    mask: Tensor,
+    correction: MismatchCorrection,
+    shard_sum: ShardSum = whole_sequences,
+) -> MismatchWeights:
+    """The correction's weight of every response token from `old_logp` (the trainer's) and
+    `engine_logp` (the rollout engine's), `[B, T]` each; sequence sums cover all shards of a row
+    under `shard_sum`."""
+    log_rho = token_log_ratio(old_logp, engine_logp, mask)
+    if correction.level == "sequence":
+        masked = torch.where(mask, log_rho, torch.zeros_like(log_rho))
+        log_rho = shard_sum(masked.sum(dim=1))[:, None].expand_as(log_rho)
+    elif correction.level == "geometric":
+        log_rho = sequence_mean(log_rho, mask, shard_sum)[:, None].expand_as(log_rho)
+    log_upper = math.log(correction.upper)
+    if MISMATCH_CORRECTIONS[correction.mode].masks:
+        log_lower = -math.inf if correction.lower == 0 else math.log(correction.lower)
+        changed = (log_rho < log_lower) | (log_rho > log_upper)
+        weights = torch.where(
+            changed, torch.zeros_like(log_rho), torch.exp(log_rho.clamp(max=log_upper))
+        )
+    else:
+        changed = log_rho > log_upper
+        weights = torch.exp(log_rho.clamp(max=log_upper))
+    changed = changed & mask
+    return MismatchWeights(torch.where(mask, weights, torch.zeros_like(weights)), changed)
+
+
+@torch.no_grad()
+def mismatch_metrics(corrected: MismatchWeights, mask: Tensor, mode: str) -> dict[str, Tensor]:
+    """The weights' mean and max over response tokens, and the share of tokens and of
+    sequences (any token) that the correction truncated (tis) or masked (mis, icepop)."""
+    what = "masked" if MISMATCH_CORRECTIONS[mode].masks else "truncated"
+    has_tokens = mask.any(dim=1)
+    num_tokens = mask.sum()
+    weights = corrected.weights
+    return {
+        "mismatch/weight_mean": weights.sum() / num_tokens,
+        "mismatch/weight_max": torch.where(mask, weights, -math.inf).max(),
+        f"mismatch/{what}_token_frac": corrected.changed.sum() / num_tokens,
+        f"mismatch/{what}_seq_frac": (corrected.changed.any(dim=1) & has_tokens).sum()
+        / has_tokens.sum(),
+    }

@@ -1,0 +1,184 @@
+"""The terms around the clipped surrogate: PPO dual-clip for negative advantages, the log-ratio
+clamp that keeps exp() finite, and the entropy bonus; each against a float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_rl.algo import LOG_RATIO_CLAMP, compute_policy_loss, get_policy_loss
+from megatron_rl.algo.ratios import ratio_from_log
+from tests.algo import reference
+from tests.algo.batches import fresh_logp, random_batch
+
+REFERENCE = {"grpo": reference.grpo, "gspo": reference.gspo}
+CLIP = {"grpo": (0.2, 0.27), "gspo": (0.03, 0.04)}
+
+
+def _loss(name, logp, batch, **options):
+    return compute_policy_loss(
+        name,
+        logp,
+        batch.old_logp,
+        batch.advantages,
+        batch.mask,
+        clip_low=CLIP[name][0],
+        clip_high=CLIP[name][1],
+        **options,
+    )
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo"])
+def test_dual_clip_matches_float64_reference(name):
+    # ratios far from 1, so that negative-advantage units beyond c = 3 exist
+    batch = random_batch(
+        12, 8, seed=6 if name == "grpo" else 9, drift=1.5 if name == "grpo" else 2.5
+    )
+    logp = fresh_logp(batch)
+    loss, metrics = _loss(name, logp, batch, dual_clip=3.0)
+    loss.backward()
+    ref_logp = fresh_logp(batch)
+    ref = REFERENCE[name](
+        ref_logp,
+        batch.old_logp,
+        batch.advantages,
+        batch.mask,
+        *CLIP[name],
+        "seq-mean-token-mean",
+        dual_clip=3.0,
+    )
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logp.grad, ref_logp.grad, rtol=1e-10, atol=1e-12)
+    assert 0 < float(metrics["clip_frac/dual"]) < 1
+
+    plain_logp = fresh_logp(batch)
+    plain, plain_metrics = _loss(name, plain_logp, batch, dual_clip=None)
+    assert float(plain.detach()) != float(loss.detach())  # the bound changed something
+    assert "clip_frac/dual" in plain_metrics and float(plain_metrics["clip_frac/dual"]) == 0.0
+
+
+def test_grpo_dual_clips_at_three_by_default_and_the_others_do_not():
+    assert get_policy_loss("grpo").options["dual_clip"] == 3.0
+    for name in ("gspo", "gspo_token", "sspo", "gmpo"):
+        assert get_policy_loss(name).options["dual_clip"] is None
+    batch = random_batch(12, 8, seed=6, drift=1.5)
+    default, _ = _loss("grpo", batch.logp, batch)
+    explicit, _ = _loss("grpo", batch.logp, batch, dual_clip=3.0)
+    off, _ = _loss("grpo", batch.logp, batch, dual_clip=None)
+    assert torch.equal(default, explicit)
+    assert not torch.equal(default, off)
+
+
+def _one_token(log_ratio: float, advantage: float):
+    logp = torch.tensor([[log_ratio - 1.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.0]], dtype=torch.float64)
+    return logp, old, torch.tensor([advantage], dtype=torch.float64), torch.ones(1, 1, dtype=bool)
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token", "sspo", "gmpo", "cispo"])
+def test_an_extreme_negative_advantage_token_has_a_bounded_loss_and_gradient(name):
+    # verl's cross-check: at log-ratio 25 an unbounded GRPO token gradient is ~1e10
+    logp, old, adv, mask = _one_token(25.0, -1.0)
+    options = {"segment_ids": torch.zeros(1, 1, dtype=torch.long)} if name == "sspo" else {}
+    if name == "sspo":
+        options["sspo_entropy_coef"] = 0.0
+    loss, _ = compute_policy_loss(
+        name, logp, old, adv, mask, clip_low=0.2, clip_high=0.2, **options
+    )
+    loss.backward()
+    assert math.isfinite(float(loss)) and math.isfinite(float(logp.grad))
+    assert abs(float(logp.grad)) <= math.exp(LOG_RATIO_CLAMP)
+    assert float(loss) <= math.exp(LOG_RATIO_CLAMP)
+    if "dual_clip" in get_policy_loss(name).options:
+        logp.grad = None
+        bounded, metrics = compute_policy_loss(
+            name, logp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0, **options
+        )
+        bounded.backward()
+        assert float(bounded) == pytest.approx(3.0)  # -(c * A)
+        assert float(logp.grad) == 0.0
+        assert float(metrics["clip_frac/dual"]) == 1.0
+
+
+def test_the_clamp_changes_nothing_inside_it():
+    # at log-ratio 19 (inside the clamp) the unbounded loss and gradient are exactly the formula's
+    logp, old, adv, mask = _one_token(19.0, -1.0)
+    loss, _ = compute_policy_loss(
+        "grpo", logp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=None
+    )
+    loss.backward()
+    ref_logp = logp.detach().clone().requires_grad_(True)
+    ref = reference.grpo(ref_logp, old, adv, mask, 0.2, 0.2, "seq-mean-token-mean")
+    ref.backward()
+    assert float(loss) == float(ref) == pytest.approx(math.exp(19.0))
+    assert float(logp.grad) == float(ref_logp.grad)
+    log_ratios = torch.linspace(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, 1001, dtype=torch.float64)
+    assert torch.equal(ratio_from_log(log_ratios), torch.exp(log_ratios))
+    assert float(ratio_from_log(torch.tensor(100.0))) == pytest.approx(math.exp(LOG_RATIO_CLAMP))
+
+
+@pytest.mark.parametrize("value", [1.0, 0.5, -3.0, math.inf, True, "3"])
+def test_a_dual_clip_of_one_or_less_is_refused(value):
+    batch = random_batch(4, 6, seed=1)
+    with pytest.raises(
+        ValueError, match=r"dual_clip: expected None \(off\) or a finite number > 1"
+    ):
+        _loss("grpo", batch.logp, batch, dual_clip=value)
+
+
+def test_cispo_has_no_dual_clip_its_weight_is_already_bounded():
+    batch = random_batch(4, 6, seed=1)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) dual_clip for policy loss 'cispo'"):
+        compute_policy_loss(
+            "cispo",
+            batch.logp,
+            batch.old_logp,
+            batch.advantages,
+            batch.mask,
+            clip_low=1.0,
+            clip_high=0.28,
+            dual_clip=3.0,
+        )
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"])
+def test_entropy_bonus_adds_the_aggregated_entropy_and_its_gradient(loss_agg):
+    batch = random_batch(6, 9, seed=8, drift=0.1)
+    gen = torch.Generator().manual_seed(3)
+    entropy = (
+        torch.rand(batch.mask.shape, generator=gen, dtype=torch.float64) * 2
+    ).requires_grad_()
+    coef = 0.01
+    logp = fresh_logp(batch)
+    loss, metrics = _loss(
+        "gspo", logp, batch, loss_agg=loss_agg, entropy=entropy, entropy_coef=coef
+    )
+    loss.backward()
+    plain_logp = fresh_logp(batch)
+    plain, _ = _loss("gspo", plain_logp, batch, loss_agg=loss_agg)
+    plain.backward()
+    # the bonus, token by token: rows of entropies aggregated like the objective
+    bonus_ref_entropy = entropy.detach().clone().requires_grad_()
+    rows = [
+        [bonus_ref_entropy[i, t] for t in range(batch.mask.shape[1]) if batch.mask[i, t]]
+        for i in range(batch.mask.shape[0])
+        if batch.mask[i].any()
+    ]
+    bonus = -reference._aggregate(rows, loss_agg, None) * coef
+    bonus.backward()
+    torch.testing.assert_close(loss, plain - bonus, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logp.grad, plain_logp.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(entropy.grad, -bonus_ref_entropy.grad, rtol=1e-12, atol=1e-14)
+    assert float(metrics["loss/entropy_bonus"]) == pytest.approx(float(bonus))
+    assert float(entropy.grad[~batch.mask].abs().sum()) == 0.0
+
+
+def test_an_entropy_bonus_needs_the_entropy():
+    batch = random_batch(4, 6, seed=1)
+    with pytest.raises(ValueError, match=r"entropy: entropy_coef > 0 adds an entropy bonus"):
+        _loss("gspo", batch.logp, batch, entropy_coef=0.01)
+    with pytest.raises(ValueError, match=r"entropy_coef: expected a finite, non-negative number"):
+        _loss("gspo", batch.logp, batch, entropy=batch.old_entropy, entropy_coef=-0.1)
