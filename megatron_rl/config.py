@@ -37,6 +37,16 @@ def _nearest(name: str, valid: list[str]) -> str:
     return f"valid keys: {', '.join(valid)}{hint}"
 
 
+def _unknown_key(cls: type, name: str, where: str) -> ConfigError:
+    """The error for key `name` of section `cls`: what replaced it, when the section says
+    (a `RENAMED` class attribute: old key -> what to write instead), or the nearest keys."""
+    renamed = getattr(cls, "RENAMED", {})
+    if name in renamed:
+        return ConfigError(f"{where}: no longer a key; {renamed[name]}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    return ConfigError(f"{where}: unknown key; {_nearest(name, names)}")
+
+
 def _choice(value: Any, choices: tuple[Any, ...], key: str) -> Any:
     if value not in choices:
         raise ConfigError(f"{key}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
@@ -131,8 +141,7 @@ def _build(cls: type[T], values: dict[str, Any], prefix: str = "") -> T:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [key for key in values if key not in names]
     if unknown:
-        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(f"{where}: unknown key; {_nearest(unknown[0], names)}")
+        raise _unknown_key(cls, unknown[0], f"{prefix}.{unknown[0]}" if prefix else unknown[0])
     kwargs = {}
     for name, value in values.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -152,8 +161,7 @@ def _apply_override(tree: dict[str, Any], cls: type, override: str) -> None:
     for depth, part in enumerate(parts):
         names = [f.name for f in dataclasses.fields(kind)]
         if part not in names:
-            where = ".".join(parts[: depth + 1])
-            raise ConfigError(f"{where}: unknown key; {_nearest(part, names)}")
+            raise _unknown_key(kind, part, ".".join(parts[: depth + 1]))
         if depth == len(parts) - 1:
             node[part] = yaml.safe_load(raw) if raw.strip() else raw
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_rl.algo import MismatchCorrection
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.trainer.recipe import Recipe
 
@@ -28,7 +29,7 @@ def test_yaml_and_overrides(tmp_path):
     defaults = load_config(Recipe, None)
     assert defaults.algo.loss == "gspo" and defaults.algo.clip_low is None
     assert load_config(Recipe, None, ["algo.clip_low=none"]).algo.clip_low is None
-    assert load_config(Recipe, None, ["algo.use_engine_logprobs=true"]).algo.use_engine_logprobs
+    assert load_config(Recipe, None, ["algo.mismatch=bypass"]).algo.uses_engine_logprobs
 
 
 @pytest.mark.parametrize(
@@ -43,7 +44,7 @@ def test_yaml_and_overrides(tmp_path):
         (["parallel.etp=0"], r"parallel\.etp: expected a positive int, got 0"),
         (["algo.clip_low=-0.1"], r"algo\.clip_low: expected >= 0"),
         (["algo.clip_low=wide"], r"algo\.clip_low: expected a number, got 'wide'"),
-        (["algo.use_engine_logprobs=maybe"], r"expected true or false"),
+        (["checkpoint.export_hf=maybe"], r"expected true or false"),
         (["algo.loss_agg=mean"], r"algo\.loss_agg: unknown mode 'mean'"),
         (["algo"], r"expected key=value"),
         (["algo.loss.name=x"], r"algo\.loss: is a value, not a section"),
@@ -104,9 +105,30 @@ def test_every_shipped_recipe_loads_and_validates():
         (["checkpoint.save_on_signals=[SIGFOO]"], r"save_on_signals\[0\]: unknown signal 'SIGFOO'"),
         (["checkpoint.save_on_signals=[SIGINT]"], r"save_on_signals\[0\]: SIGINT \(Ctrl-C\)"),
         (["metrics.wandb=maybe"], r"metrics\.wandb: expected one of 'auto'"),
+        (
+            ["algo.use_engine_logprobs=true"],
+            r"algo\.use_engine_logprobs: no longer a key; .* are algo\.mismatch=bypass",
+        ),
+        (["algo.mismatch=tls"], r"algo\.mismatch: unknown mode 'tls'; valid: none, bypass, tis"),
+        (["algo.mismatch_upper=3"], r"algo\.mismatch_upper: only used by a correction"),
+        (
+            ["algo.mismatch=icepop", "algo.mismatch_level=sequence"],
+            r"algo\.mismatch_level: icepop works at level token",
+        ),
+        (
+            ["algo.mismatch=tis", "algo.mismatch_upper=0.5"],
+            r"algo\.mismatch_upper: tis's cap C must be >= 1",
+        ),
+        (
+            ["algo.mismatch=mis", "algo.mismatch_lower=1.2"],
+            r"algo\.mismatch_lower, algo\.mismatch_upper: mis .* 0 <= lower < 1 < upper",
+        ),
+        (["algo.dual_clip=1"], r"algo\.dual_clip: expected 0 \(off\) or > 1, got 1"),
+        (["algo.loss=cispo", "algo.dual_clip=3"], r"algo\.dual_clip: loss 'cispo' has no"),
+        (["algo.entropy_coef=-0.01"], r"algo\.entropy_coef: expected >= 0"),
         (["model.dispatcher=flex"], r"model\.dispatcher: expected one of 'alltoall'"),
         (
-            ["algo.routing_replay=r2", "algo.use_engine_logprobs=true"],
+            ["algo.routing_replay=r2", "algo.mismatch=bypass"],
             r"algo\.routing_replay=r2 records routing in the trainer's old-policy forward",
         ),
     ],
@@ -135,3 +157,31 @@ def test_every_recipe_key_is_documented():
     assert "rollout.sglang.weight_sync" in all_keys  # nested sections are walked
     for key in all_keys:
         assert f"`{key}`" in guide, key
+
+
+def test_the_old_engine_logprobs_key_in_a_recipe_file_names_its_replacement(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("algo:\n  use_engine_logprobs: true\n")
+    with pytest.raises(ConfigError, match=r"algo\.use_engine_logprobs: no longer a key; .*bypass"):
+        load_config(Recipe, path)
+
+
+def test_the_loss_spec_carries_the_correction_dual_clip_and_entropy_bonus():
+    spec = load_config(Recipe, None, ["algo.loss=grpo"]).algo.loss_spec(max_response_len=8)
+    assert "dual_clip" not in spec.options  # the loss's own default (grpo: 3)
+    assert spec.options["mismatch"] is None and spec.options["entropy_coef"] == 0.0
+    overrides = [
+        "algo.loss=grpo",
+        "algo.dual_clip=0",
+        "algo.mismatch=mis",
+        "algo.entropy_coef=1e-3",
+    ]
+    spec = load_config(Recipe, None, overrides).algo.loss_spec(max_response_len=8)
+    assert spec.options["dual_clip"] is None  # 0: off
+    assert spec.options["mismatch"] == MismatchCorrection("mis", "sequence", 0.0, 2.0)
+    assert spec.options["entropy_coef"] == 1e-3
+    spec = load_config(
+        Recipe, None, ["algo.dual_clip=5", "algo.mismatch=tis", "algo.mismatch_level=geometric"]
+    ).algo.loss_spec(max_response_len=8)
+    assert spec.options["dual_clip"] == 5.0
+    assert spec.options["mismatch"] == MismatchCorrection("tis", "geometric", None, 2.0)

@@ -52,7 +52,7 @@ def learn(
     metrics: dict[str, float] = {}
     # The engine's log-probs stand in for the old policy's unless the trainer computes them;
     # a loss that needs the old policy's entropy (SSPO) needs the trainer's forward anyway.
-    needs_forward = not algo.use_engine_logprobs or get_policy_loss(algo.loss).needs_old_entropy
+    needs_forward = not algo.uses_engine_logprobs or get_policy_loss(algo.loss).needs_old_entropy
     with timer.phase("old_logprob"):
         if needs_forward:
             minibatches, old_metrics = _with_old_policy(policy, minibatches, algo)
@@ -70,9 +70,10 @@ def _with_old_policy(
     policy: Policy, minibatches: list[list[PolicyMicroBatch]], algo: AlgoConfig
 ) -> tuple[list[list[PolicyMicroBatch]], dict[str, float]]:
     """The minibatches as the updates see them, after the old-policy pass over all of their
-    micro-batches: its entropy and recorded routing attached and, unless
-    `algo.use_engine_logprobs`, its log-probs as the old ones (on the last pipeline stage, which
-    alone reads them); and the old policy's metrics."""
+    micro-batches: its entropy and recorded routing attached and, unless `algo.mismatch` is
+    bypass, its log-probs as the old ones (on the last pipeline stage, which alone reads them),
+    the engine's kept beside them for a mismatch correction; and the old policy's metrics."""
+    keep_engine_logp = algo.correction() is not None
     every_micro_batch = [micro for minibatch in minibatches for micro in minibatch]
     computed = policy.old_policy(every_micro_batch, algo.routing_replay)
     # The old log-probs are on the last pipeline stage; rank 0 logs.
@@ -83,8 +84,9 @@ def _with_old_policy(
         dataclasses.replace(
             micro,
             old_logp=micro.old_logp
-            if algo.use_engine_logprobs or values.logp is None
+            if algo.uses_engine_logprobs or values.logp is None
             else values.logp,
+            engine_logp=micro.old_logp if keep_engine_logp else None,
             old_entropy=values.entropy,
             routing=micro.routing if values.routing is None else values.routing,
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -27,6 +27,8 @@ class PolicyMicroBatch:
         tokens: `[b, S]` (or `[1, total]`) prompt + response token ids (padding: any valid id).
         loss_mask: like tokens, bool, true where the predicted token is a response token.
         old_logp: like tokens, old-policy log-prob of the predicted token.
+        engine_logp: like tokens, the rollout engine's log-prob of it, kept beside the trainer's
+            old log-probs for a mismatch correction; or None.
         advantages: `[b]` (or `[N]`) per-sequence advantages; per-token ones like tokens.
         segment_ids: like tokens, SSPO segment ids within each sequence, or None.
         old_entropy: like tokens, old-policy entropy, or None.
@@ -46,6 +48,7 @@ class PolicyMicroBatch:
     old_entropy: Tensor | None = None
     cu_seqlens: Tensor | None = None
     routing: list[Tensor] | None = None
+    engine_logp: Tensor | None = None
 
     def to(self, device: torch.device) -> PolicyMicroBatch:
         """This micro-batch with every tensor on `device`; itself when they are already there."""
@@ -86,20 +89,44 @@ class PolicyMicroBatch:
             return self.loss_mask
         return unpack(self.loss_mask[0], self.cu_seqlens, fill=False)
 
-    def as_rows(self, logp: Tensor) -> tuple[Tensor, ...]:
-        """(logp, old_logp, loss_mask, segment_ids, old_entropy) as `[rows, length]` tensors:
-        unchanged when padded, unpacked into one row per sequence when packed."""
-        fields = (logp, self.old_logp, self.loss_mask, self.segment_ids, self.old_entropy)
+    def as_rows(self, logp: Tensor, entropy: Tensor) -> LossRows:
+        """The loss's per-token tensors (`logp` and `entropy` are the current policy's, like
+        tokens) as `[rows, length]`: unchanged when padded, unpacked into one row per sequence
+        when packed."""
+        rows = LossRows(
+            logp,
+            entropy,
+            self.old_logp,
+            self.engine_logp,
+            self.loss_mask,
+            self.segment_ids,
+            self.old_entropy,
+        )
         if self.cu_seqlens is None:
-            return fields
+            return rows
         last = self.cu_seqlens[1:] - 1
         if bool(self.loss_mask[0, last].any()):
             raise ValueError(
                 "loss_mask: true on the last token of a packed sequence, which predicts nothing"
             )
-        return tuple(
-            None if field is None else unpack(field[0], self.cu_seqlens, fill=0) for field in fields
+        return LossRows(
+            *(
+                None if field is None else unpack(field[0], self.cu_seqlens, fill=0)
+                for field in rows
+            )
         )
+
+
+class LossRows(NamedTuple):
+    """A micro-batch's per-token loss inputs, `[rows, length]` (see `PolicyMicroBatch`)."""
+
+    logp: Tensor
+    entropy: Tensor
+    old_logp: Tensor
+    engine_logp: Tensor | None
+    loss_mask: Tensor
+    segment_ids: Tensor | None
+    old_entropy: Tensor | None
 
 
 def _on_device(value: Tensor | list[Tensor] | None, device: torch.device) -> Any:

@@ -12,8 +12,16 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from megatron_rl.algo import LOSS_AGG_MODES, PolicyLossSpec, get_policy_loss, policy_loss_names
+from megatron_rl.algo import (
+    LOSS_AGG_MODES,
+    MISMATCH_CORRECTIONS,
+    MismatchCorrection,
+    PolicyLossSpec,
+    get_policy_loss,
+    policy_loss_names,
+)
 from megatron_rl.config import ConfigError, check_positive
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.moe.replay_mode import RoutingReplayMode
@@ -41,12 +49,83 @@ class AlgoConfig:
     """none; r2: replay the old policy's routing; r3: replay the rollout engine's routing."""
     updates_per_batch: int = 4
     """Minibatch updates per rollout batch (the GSPO paper uses 4)."""
-    use_engine_logprobs: bool = False
-    """Take old log-probs from the rollout engine instead of a trainer forward."""
+    mismatch: str = "none"
+    """The rollout engine's log-probs against the trainer's: none (the trainer's old log-probs,
+    no correction); bypass (the engine's log-probs are the old ones: no old-policy forward);
+    tis, mis, icepop (the trainer's old log-probs, and each token's objective weighted by a
+    correction of pi_old / pi_engine; docs/algorithms.md, Mismatch correction)."""
+    mismatch_level: str | None = None
+    """token, sequence or geometric; None: the correction's default (tis token, mis sequence;
+    icepop is token-level only)."""
+    mismatch_lower: float | None = None
+    """mis, icepop: the lower end of the band of ratios kept (0 <= lower < 1); None: the
+    correction's default (mis 0, icepop 0.5)."""
+    mismatch_upper: float | None = None
+    """tis: the cap C (>= 1); mis, icepop: the band's upper end (> 1); None: the correction's
+    default (tis 2, mis 2, icepop 5)."""
+    dual_clip: float | None = None
+    """PPO dual-clip's c (> 1): for a negative advantage the objective is bounded by c * A;
+    None: the loss's default (grpo 3, off for the others); 0: off."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: this times the current policy's token entropy, aggregated like the loss,
+    is added to the objective (0: none)."""
     std_normalize: bool = True
     """Divide group advantages by the group's std (GRPO); false: Dr. GRPO's mean-centring only."""
     drop_zero_variance_groups: bool = False
     """Leave out groups whose rewards are all equal (they carry no gradient; always counted)."""
+
+    RENAMED: ClassVar[dict[str, str]] = {
+        "use_engine_logprobs": "the engine's log-probs as the old ones are algo.mismatch=bypass"
+    }
+    MISMATCH_MODES: ClassVar[tuple[str, ...]] = ("none", "bypass", *MISMATCH_CORRECTIONS)
+
+    @property
+    def uses_engine_logprobs(self) -> bool:
+        """The engine's log-probs stand in for the old policy's (no trainer forward for them)."""
+        return self.mismatch == "bypass"
+
+    def correction(self) -> MismatchCorrection | None:
+        """The mismatch correction the loss applies (tis, mis, icepop), or None."""
+        if self.mismatch not in MISMATCH_CORRECTIONS:
+            return None
+        try:
+            return MismatchCorrection.of(
+                self.mismatch,
+                level=self.mismatch_level,
+                lower=self.mismatch_lower,
+                upper=self.mismatch_upper,
+                key="algo.mismatch",
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+    def _validate_mismatch(self) -> None:
+        if self.mismatch not in self.MISMATCH_MODES:
+            raise ConfigError(
+                f"algo.mismatch: unknown mode {self.mismatch!r}; valid: "
+                f"{', '.join(self.MISMATCH_MODES)}"
+            )
+        if self.mismatch in ("none", "bypass"):
+            for name in ("mismatch_level", "mismatch_lower", "mismatch_upper"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"algo.{name}: only used by a correction (algo.mismatch=tis, mis or "
+                        f"icepop), not by algo.mismatch={self.mismatch}"
+                    )
+        self.correction()
+
+    def _dual_clip_option(self) -> dict[str, Any]:
+        """The loss's `dual_clip` option: the loss's default when unset, None for 0 (off)."""
+        if self.dual_clip is None:
+            return {}
+        if "dual_clip" not in get_policy_loss(self.loss).options:
+            raise ConfigError(
+                f"algo.dual_clip: loss {self.loss!r} has no dual-clip (its token weights are "
+                "bounded already); leave it unset"
+            )
+        if self.dual_clip != 0 and not self.dual_clip > 1:
+            raise ConfigError(f"algo.dual_clip: expected 0 (off) or > 1, got {self.dual_clip}")
+        return {"dual_clip": None if self.dual_clip == 0 else self.dual_clip}
 
     def validate(self) -> None:
         if self.loss not in policy_loss_names():
@@ -65,6 +144,10 @@ class AlgoConfig:
             raise ConfigError(
                 f"algo.updates_per_batch: expected >= 1, got {self.updates_per_batch}"
             )
+        if self.entropy_coef < 0:
+            raise ConfigError(f"algo.entropy_coef: expected >= 0, got {self.entropy_coef}")
+        self._validate_mismatch()
+        self._dual_clip_option()
 
     def loss_spec(self, *, max_response_len: int) -> PolicyLossSpec:
         """The policy loss the updates use: this section's loss and clip range (the loss's
@@ -79,7 +162,10 @@ class AlgoConfig:
                 "loss_agg": self.loss_agg,
                 # Non-finite values must reach the loss, where the step is skipped and counted.
                 "check_finite": False,
+                "mismatch": self.correction(),
+                "entropy_coef": self.entropy_coef,
             }
+            | self._dual_clip_option()
             | ({"max_response_len": max_response_len} if dr_grpo else {}),
         )
 
@@ -178,8 +264,8 @@ class Recipe:
                 "parallel.cp: the trainer does not split sequences yet (model-level context "
                 "parallelism needs Transformer Engine's attention; docs/parallelism.md)"
             )
-        if self.algo.routing_replay.needs_old_policy_forward and self.algo.use_engine_logprobs:
+        if self.algo.routing_replay.needs_old_policy_forward and self.algo.uses_engine_logprobs:
             raise ConfigError(
                 "algo.routing_replay=r2 records routing in the trainer's old-policy forward, "
-                "which algo.use_engine_logprobs=true skips; use r3 or turn one off"
+                "which algo.mismatch=bypass skips; use r3 or another algo.mismatch"
             )

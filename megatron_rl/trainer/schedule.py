@@ -47,24 +47,26 @@ def policy_loss_func(
         micro_batch.targets(),
         group=parallel_state.get_tensor_model_parallel_group(),
     )
-    logp, old_logp, loss_mask, segment_ids, old_entropy = micro_batch.as_rows(token.logp)
+    rows = micro_batch.as_rows(token.logp, token.entropy)
     options = {key: value for key, value in spec.options.items() if key != "loss_denominator"}
     loss_sum, metrics = compute_policy_loss(
         spec.name,
-        logp,
-        old_logp,
+        rows.logp,
+        rows.old_logp,
         micro_batch.advantages,
-        loss_mask,
+        rows.loss_mask,
         clip_low=spec.clip_low,
         clip_high=spec.clip_high,
-        segment_ids=segment_ids,
-        old_entropy=old_entropy,
+        segment_ids=rows.segment_ids,
+        old_entropy=rows.old_entropy,
+        engine_logp=rows.engine_logp,
+        entropy=rows.entropy,
         loss_denominator=1,
         **options,
     )
     entropy_sum = torch.where(micro_batch.loss_mask, token.entropy.detach(), 0.0).sum()
     metrics = metrics | {"loss/sum": loss_sum.detach(), "entropy/sum": entropy_sum}
-    return loss_sum, _denominator(loss_mask, spec).round().to(torch.int), metrics
+    return loss_sum, _denominator(rows.loss_mask, spec).round().to(torch.int), metrics
 
 
 def _denominator(loss_mask: Tensor, spec: PolicyLossSpec) -> Tensor:

@@ -12,6 +12,7 @@ exactly the single-process loss and gradient.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megatron_rl.algo import PolicyLossSpec, subsentence_segment_ids
+from megatron_rl.algo import MismatchCorrection, PolicyLossSpec, subsentence_segment_ids
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.dims import ParallelDims
@@ -49,6 +50,22 @@ LOSSES = {
     "grpo": PolicyLossSpec("grpo", 0.2, 0.27),
     "sspo": PolicyLossSpec("sspo", 0.1, 0.1),
 }
+# The terms around the surrogate: mismatch corrections (bands narrow enough to mask or truncate
+# some tokens of micro_batches' engine log-probs), the entropy bonus, dual-clip.
+CORRECTED_LOSSES = {
+    "grpo_icepop_entropy": PolicyLossSpec(
+        "grpo",
+        0.2,
+        0.27,
+        {"mismatch": MismatchCorrection.of("icepop", lower=0.8, upper=1.25), "entropy_coef": 0.01},
+    ),
+    "gspo_tis_sequence": PolicyLossSpec(
+        "gspo",
+        3e-2,
+        4e-2,
+        {"mismatch": MismatchCorrection.of("tis", level="sequence", upper=1.2), "dual_clip": 3.0},
+    ),
+}
 LAYOUTS = {
     "tp2": {"tp": 2},  # sequence parallelism is on whenever tp > 1
     "ep2_alltoall": {"ep": 2},
@@ -73,11 +90,13 @@ def micro_batches(count: int = 4, batch: int = 2, seq: int = 24, seed: int = 0) 
         ends = torch.randint(seq - 6, seq, (batch, 1), generator=gen)
         mask = (positions >= starts) & (positions < ends)
         targets = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+        old_logp = -torch.rand(batch, seq, generator=gen) * 2 - 4
         out.append(
             PolicyMicroBatch(
                 tokens=tokens,
                 loss_mask=mask,
-                old_logp=-torch.rand(batch, seq, generator=gen) * 2 - 4,
+                old_logp=old_logp,
+                engine_logp=old_logp + 0.2 * torch.randn(batch, seq, generator=gen),
                 advantages=torch.randn(batch, generator=gen),
                 segment_ids=subsentence_segment_ids(targets, mask, [NEWLINE]),
                 old_entropy=torch.rand(batch, seq, generator=gen),
@@ -133,7 +152,7 @@ def compare_layout(launch: LaunchEnv, layout: str, losses: list[str], workdir: s
 
     report = {}
     for name in losses:
-        spec = LOSSES[name]
+        spec = (LOSSES | CORRECTED_LOSSES)[name]
         ref_model, ref_step = _run(config, reference, dispatcher, weights, batches, spec)
         ref_grads = {n: p.main_grad.clone() for n, p in ref_model.module.named_parameters()}
         ref_norm = float(sum(g.double().square().sum() for g in ref_grads.values()).sqrt())
@@ -154,7 +173,14 @@ def compare_layout(launch: LaunchEnv, layout: str, losses: list[str], workdir: s
             scale = float(ref.abs().max())
             smallest = min(smallest, scale)
             errors[param_name] = float((grad - ref).abs().max()) / max(scale, 1e-30)
+        corrected = [
+            float(value)
+            for metrics in split_step.metrics
+            for key, value in metrics.items()
+            if key.startswith("mismatch/") and key.endswith("_token_frac")
+        ]
         report[name] = {
+            "corrected_frac": sum(corrected) / len(corrected) if corrected else math.nan,
             "ref_loss": float(ref_step.loss),
             "loss": float(split_step.loss),  # nan on a pipeline stage without the loss
             "worst_grad_error": max(errors.values()),

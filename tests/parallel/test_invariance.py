@@ -34,6 +34,20 @@ def test_split_model_matches_single_process(layout, tmp_path):
     assert len(with_loss) == (1 if layout.startswith("pp2") else 2)
 
 
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_corrected_and_entropy_terms_match_single_process(layout, tmp_path):
+    losses = list(invariance.CORRECTED_LOSSES)
+    reports = run_on_ranks(invariance.compare_layout, layout, losses, str(tmp_path))
+    for rank, report in enumerate(reports):
+        for name in losses:
+            result = report[name]
+            assert result["smallest_ref_grad"] > 0, f"{name}: a parameter has no gradient at all"
+            assert result["worst_grad_error"] <= TOLERANCE, (layout, rank, name, result)
+            if not math.isnan(result["loss"]):
+                assert result["loss"] == pytest.approx(result["ref_loss"], rel=TOLERANCE)
+                assert 0 < result["corrected_frac"] < 1, (name, result)
+
+
 def test_gradient_accumulation_over_four_micro_batches_equals_one_batch():
     for report in run_on_ranks(invariance.accumulation, "gspo"):
         assert report["loss_four"] == pytest.approx(report["loss_one"], rel=TOLERANCE)

@@ -40,7 +40,7 @@ def _check(result, run_dir) -> dict[int, dict[str, float]]:
     ("method", "overrides"),
     [
         ("tensor", ["algo.loss=grpo", "algo.routing_replay=r3"]),
-        ("distributed", ["algo.use_engine_logprobs=true"]),
+        ("distributed", ["algo.mismatch=bypass"]),
         ("disk", ["algo.loss=sspo"]),
     ],
     ids=["r3_tensor", "engine_logprobs_distributed", "sspo_disk"],

@@ -28,14 +28,14 @@ from tests.trainer.run_cli import (
 TIMING = ("time/", "throughput/")
 
 
-def _check_run(result, run_dir) -> dict[int, dict[str, float]]:
+def _check_run(result, run_dir, *, entropy_bonus: bool = False) -> dict[int, dict[str, float]]:
     metrics = finished_run_metrics(result, run_dir)
     for step in (1, 2):
         record = metrics[step]
         assert math.isfinite(record["loss/policy"]) and record["steps/skipped"] == 0
-        # Groups with equal rewards carry no gradient; the others do.
+        # Groups with equal rewards carry no gradient (but an entropy bonus does); the others do.
         if record["groups/zero_variance_frac"] == 1:
-            assert record["grad_norm"] == 0
+            assert (record["grad_norm"] > 0) if entropy_bonus else (record["grad_norm"] == 0)
         else:
             assert record["grad_norm"] > 0
         assert 0 <= record["reward/mean"] <= 1
@@ -46,17 +46,30 @@ def _check_run(result, run_dir) -> dict[int, dict[str, float]]:
 
 
 @pytest.mark.parametrize(
-    ("loss", "replay"),
+    ("loss", "replay", "terms"),
     # gspo_token: GSPO's value and gradient (tests/algo), through the same registry
-    [("gspo", "none"), ("sspo", "none"), ("grpo", "r2"), ("grpo", "r3")],
+    [
+        ("gspo", "none", ["algo.mismatch=tis", "algo.mismatch_level=geometric"]),
+        ("sspo", "none", []),
+        ("grpo", "r2", ["algo.mismatch=icepop", "algo.entropy_coef=1e-3"]),
+        ("grpo", "r3", []),
+    ],
 )
-def test_each_loss_runs_end_to_end(tmp_path, loss, replay):
-    result = train_cli(tmp_path, [f"algo.loss={loss}", f"algo.routing_replay={replay}"])
-    metrics = _check_run(result, tmp_path)
+def test_each_loss_runs_end_to_end(tmp_path, loss, replay, terms):
+    result = train_cli(tmp_path, [f"algo.loss={loss}", f"algo.routing_replay={replay}", *terms])
+    bonus = "algo.entropy_coef=1e-3" in terms
+    metrics = _check_run(result, tmp_path, entropy_bonus=bonus)
     for step in (1, 2):
         # The engine was synced before the step: the trainer's old log-probs equal its own.
         assert metrics[step]["mismatch/k3"] < 1e-8
         assert metrics[step]["mismatch/abs_max"] < 1e-3
+        # ... so a correction weighs every token by ~1 and cuts none
+        corrected = [key for key in metrics[step] if key.endswith("_token_frac")]
+        assert len(corrected) == (1 if terms and "mismatch" in terms[0] else 0)
+        if corrected:
+            assert metrics[step][corrected[0]] == 0
+            assert metrics[step]["mismatch/weight_mean"] == pytest.approx(1, abs=1e-3)
+        assert ("loss/entropy_bonus" in metrics[step]) == bonus
     if loss == "sspo":
         assert metrics[1]["segments/per_seq"] > 1  # one segment per line of working
     # The routing the updated weights would choose, against the old (or replayed) one.
@@ -84,7 +97,7 @@ def test_engine_logprobs_export_and_wandb(tmp_path):
     wandb_env = {f"WANDB_{name}_DIR": str(tmp_path / "wandb-home") for name in ("CONFIG", "CACHE")}
     result = train_cli(
         tmp_path,
-        ["algo.use_engine_logprobs=true", "checkpoint.export_hf=true", "metrics.wandb=offline"],
+        ["algo.mismatch=bypass", "checkpoint.export_hf=true", "metrics.wandb=offline"],
         extra_env=wandb_env | {"WANDB_SILENT": "true"},
     )
     _check_run(result, tmp_path)

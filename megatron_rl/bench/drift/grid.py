@@ -37,7 +37,14 @@ from megatron_rl.trainer.recipe import Recipe
 
 # The algorithm of each built-in arm, in full, so that the recipe's own algo choices never leak
 # into an arm (clip None: the loss's paper default).
-_ALGO_DEFAULTS = {"algo.clip_low": None, "algo.clip_high": None, "algo.use_engine_logprobs": False}
+_ALGO_DEFAULTS = {
+    "algo.clip_low": None,
+    "algo.clip_high": None,
+    "algo.mismatch": "none",
+    "algo.mismatch_level": None,
+    "algo.mismatch_lower": None,
+    "algo.mismatch_upper": None,
+}
 BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     "grpo": {"algo.loss": "grpo", "algo.routing_replay": "none"},
     "grpo_r2": {"algo.loss": "grpo", "algo.routing_replay": "r2"},
@@ -46,7 +53,7 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     "gspo_engine_logp": {
         "algo.loss": "gspo",
         "algo.routing_replay": "none",
-        "algo.use_engine_logprobs": True,
+        "algo.mismatch": "bypass",
     },
     "gspo_token": {"algo.loss": "gspo_token", "algo.routing_replay": "none"},
     "sspo": {"algo.loss": "sspo", "algo.routing_replay": "none"},
