@@ -5,6 +5,7 @@ This package imports only torch, so every formula can be tested and reused witho
 
 from megatron_rl.algo.advantages import GroupAdvantages, group_advantages
 from megatron_rl.algo.aggregation import DEFAULT_LOSS_AGG, LOSS_AGG_MODES, policy_loss_denominator
+from megatron_rl.algo.kl import KL_ESTIMATORS
 from megatron_rl.algo.losses import (
     POLICY_LOSSES,
     PolicyLoss,
@@ -20,6 +21,7 @@ from megatron_rl.algo.segments import subsentence_segment_ids
 __all__ = [
     "DEFAULT_LOSS_AGG",
     "EXTREME_RATIO_TAUS",
+    "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
     "LOSS_AGG_MODES",
     "MISMATCH_CORRECTIONS",

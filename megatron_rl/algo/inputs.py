@@ -29,6 +29,7 @@ class PolicyLossBatch:
         old_entropy: `[B, T]` old-policy token entropy, or None.
         engine_logp: `[B, T]` the rollout engine's log-probs (no gradient), or None.
         entropy: `[B, T]` current-policy token entropy (carries its gradient), or None.
+        ref_logp: `[B, T]` the reference policy's log-probs (no gradient), or None.
         shard_sum: sums per-row partial statistics over the shards of the rows (identity when
             rows are whole).
     """
@@ -42,6 +43,7 @@ class PolicyLossBatch:
     shard_sum: ShardSum
     engine_logp: Tensor | None = None
     entropy: Tensor | None = None
+    ref_logp: Tensor | None = None
 
     def token_advantages(self) -> Tensor:
         """`[B, T]` advantage of every token (a per-sequence advantage repeats along its row)."""
@@ -160,8 +162,9 @@ def _check_finite_values(tensors: dict[str, Tensor | None]) -> None:
     adv_mask = mask.any(dim=1) if advantages.dim() == 1 else mask
     for name, where in (("logp", mask), ("old_logp", mask), ("advantages", adv_mask)):
         _require_finite_on(name, tensors[name], where)
-    if tensors["engine_logp"] is not None:
-        _require_finite_on("engine_logp", tensors["engine_logp"], mask)
+    for name in ("engine_logp", "ref_logp"):
+        if tensors[name] is not None:
+            _require_finite_on(name, tensors[name], mask)
     for name in ("old_entropy", "entropy"):
         entropy = tensors[name]
         if entropy is not None:
@@ -180,6 +183,7 @@ def validate_policy_loss_inputs(
     *,
     engine_logp: object = None,
     entropy: object = None,
+    ref_logp: object = None,
     check_finite: bool,
     shard_sum: ShardSum,
 ) -> PolicyLossBatch:
@@ -197,7 +201,12 @@ def validate_policy_loss_inputs(
         "advantages", adv_t, shape[:1] if adv_t.dim() == 1 else shape, f"{adv_shape} (or [B, T])"
     )
     seg_t = None if segment_ids is None else _check_segment_ids(segment_ids, shape, mask_t)
-    optional = {"old_entropy": old_entropy, "engine_logp": engine_logp, "entropy": entropy}
+    optional = {
+        "old_entropy": old_entropy,
+        "engine_logp": engine_logp,
+        "entropy": entropy,
+        "ref_logp": ref_logp,
+    }
     given = {
         name: None if value is None else _require_float(name, value, shape, "[B, T] like logp")
         for name, value in optional.items()
@@ -224,4 +233,5 @@ def validate_policy_loss_inputs(
         shard_sum=shard_sum,
         engine_logp=detached("engine_logp"),
         entropy=None if given["entropy"] is None else given["entropy"].to(work_dtype),
+        ref_logp=detached("ref_logp"),
     )

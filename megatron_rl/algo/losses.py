@@ -18,6 +18,7 @@ from torch import Tensor
 
 from megatron_rl.algo.aggregation import DEFAULT_LOSS_AGG, aggregation
 from megatron_rl.algo.inputs import PolicyLossBatch, check_bound, validate_policy_loss_inputs
+from megatron_rl.algo.kl import check_kl_estimator, kl_to_reference
 from megatron_rl.algo.mismatch import MismatchCorrection, mismatch_metrics, mismatch_weights
 from megatron_rl.algo.ratios import (
     EXTREME_RATIO_TAUS,
@@ -324,6 +325,8 @@ COMMON_OPTIONS: dict[str, Any] = {
     "shard_sum": None,
     "mismatch": None,
     "entropy_coef": 0.0,
+    "kl_coef": 0.0,
+    "kl_estimator": "k3",
 }
 
 
@@ -390,6 +393,7 @@ def compute_policy_loss(
     old_entropy: Tensor | None = None,
     engine_logp: Tensor | None = None,
     entropy: Tensor | None = None,
+    ref_logp: Tensor | None = None,
     **options: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy loss `name` and its metrics.
@@ -409,6 +413,8 @@ def compute_policy_loss(
             with the `mismatch` option).
         entropy: `[B, T]` current-policy token entropy, carrying its gradient (with
             `entropy_coef` > 0).
+        ref_logp: `[B, T]` the frozen reference policy's log-probs (no gradient; with
+            `kl_coef` > 0).
         **options: `loss_agg` (see `aggregation.LOSS_AGG_MODES`), `max_response_len` (Dr. GRPO's
             constant), `loss_denominator` (a global denominator from `policy_loss_denominator`,
             summed over micro-batches and DP ranks), `check_finite` (default True; costs one
@@ -419,19 +425,23 @@ def compute_policy_loss(
             the ranks' losses add up to the full loss; metrics stay per shard), `mismatch` (a
             `MismatchCorrection`: each token's objective is weighted by its detached weight),
             `entropy_coef` (an entropy bonus: entropy_coef times the aggregated current-policy
-            entropy is added to the objective), and the loss's own options (grpo, gspo,
+            entropy is added to the objective), `kl_coef` and `kl_estimator` (k1, k2, k3: a KL
+            penalty to the reference, kl_coef times the aggregated estimate, is subtracted from
+            the objective; `megatron_rl.algo.kl`), and the loss's own options (grpo, gspo,
             gspo_token, sspo, gmpo: `dual_clip`; sspo: `sspo_entropy_coef`, `sspo_lower`).
 
     Returns:
-        The scalar loss to minimise, `-sum(w * (m * obj + entropy_coef * H)) / denominator`
-        (`m` the mismatch weights, 1 without), and a dict of detached metric tensors:
+        The scalar loss to minimise,
+        `-sum(w * (m * obj + entropy_coef * H - kl_coef * kl)) / denominator` (`m` the mismatch
+        weights, 1 without), and a dict of detached metric tensors:
         `clip_frac/{token,seq,low,high}` (and `clip_frac/dual` where the loss has dual-clip),
         `ratio/{mean,max,min}` (at the loss's unit), `log_ratio/abs_max`, `log_ratio/std` (of
         the token log-ratios d), `kl/k3` (mean of exp(d) - 1 - d, an estimate of
         KL(old || new)), `log_ratio/frac_tau{1.25,2,5}` (share of tokens whose ratio exceeds tau
         or 1/tau), `loss/denominator`, with a correction `mismatch/weight_{mean,max}` and
         `mismatch/{truncated,masked}_{token,seq}_frac`, with an entropy bonus
-        `loss/entropy_bonus`, and loss-specific ones (sspo: `clip_frac/segment`,
+        `loss/entropy_bonus`, with a KL penalty `kl/ref` (the aggregated estimate) and
+        `loss/kl_penalty`, and loss-specific ones (sspo: `clip_frac/segment`,
         `segments/per_seq`).
     """
     spec = get_policy_loss(name)
@@ -449,7 +459,7 @@ def compute_policy_loss(
         kernel_options = spec.check_options(kernel_options, old_entropy)
     if "dual_clip" in kernel_options:
         kernel_options["dual_clip"] = _check_dual_clip(kernel_options["dual_clip"])
-    correction, entropy_coef = _check_extra_terms(opts, engine_logp, entropy)
+    correction, entropy_coef, kl_coef = _check_extra_terms(opts, engine_logp, entropy, ref_logp)
     batch = validate_policy_loss_inputs(
         logp,
         old_logp,
@@ -459,6 +469,7 @@ def compute_policy_loss(
         old_entropy,
         engine_logp=engine_logp if correction is not None else None,
         entropy=entropy if entropy_coef > 0 else None,
+        ref_logp=ref_logp if kl_coef > 0 else None,
         check_finite=opts["check_finite"],
         shard_sum=opts["shard_sum"] or whole_sequences,
     )
@@ -486,6 +497,12 @@ def compute_policy_loss(
         bonus = entropy_coef * (agg.token_weights * batch.entropy).sum()
         surrogate = surrogate + bonus
         metrics["loss/entropy_bonus"] = bonus.detach() / denominator
+    if batch.ref_logp is not None:
+        kl = kl_to_reference(batch.logp, batch.ref_logp, batch.mask, opts["kl_estimator"])
+        kl_sum = (agg.token_weights * kl).sum()
+        surrogate = surrogate - kl_coef * kl_sum
+        metrics["kl/ref"] = kl_sum.detach() / denominator
+        metrics["loss/kl_penalty"] = kl_coef * metrics["kl/ref"]
     loss = -surrogate / denominator
     metrics |= _metrics(batch, result)
     metrics["loss/denominator"] = denominator.detach()
@@ -493,9 +510,13 @@ def compute_policy_loss(
 
 
 def _check_extra_terms(
-    opts: dict[str, Any], engine_logp: Tensor | None, entropy: Tensor | None
-) -> tuple[MismatchCorrection | None, float]:
-    """The mismatch correction and the entropy coefficient, with the inputs they need."""
+    opts: dict[str, Any],
+    engine_logp: Tensor | None,
+    entropy: Tensor | None,
+    ref_logp: Tensor | None,
+) -> tuple[MismatchCorrection | None, float, float]:
+    """The mismatch correction and the entropy and KL coefficients, with the inputs they
+    need."""
     correction = opts["mismatch"]
     if correction is not None and not isinstance(correction, MismatchCorrection):
         raise ValueError(
@@ -513,7 +534,14 @@ def _check_extra_terms(
             "entropy: entropy_coef > 0 adds an entropy bonus and needs the current policy's "
             "token entropy [B, T] (with its gradient)"
         )
-    return correction, entropy_coef
+    kl_coef = check_bound("kl_coef", opts["kl_coef"])
+    check_kl_estimator(opts["kl_estimator"])
+    if kl_coef > 0 and ref_logp is None:
+        raise ValueError(
+            "ref_logp: kl_coef > 0 penalises the KL to the reference policy and needs its "
+            "log-probs [B, T]"
+        )
+    return correction, entropy_coef, kl_coef
 
 
 @torch.no_grad()

@@ -182,3 +182,61 @@ def test_an_entropy_bonus_needs_the_entropy():
         _loss("gspo", batch.logp, batch, entropy_coef=0.01)
     with pytest.raises(ValueError, match=r"entropy_coef: expected a finite, non-negative number"):
         _loss("gspo", batch.logp, batch, entropy=batch.old_entropy, entropy_coef=-0.1)
+
+
+def _reference_kl(logp, ref_logp, i, t, estimator):
+    x = ref_logp[i, t] - logp[i, t]
+    if estimator == "k1":
+        return -x
+    if estimator == "k2":
+        return x * x / 2
+    return torch.exp(x) - 1 - x
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-mean"])
+def test_kl_penalty_matches_float64_reference(estimator, loss_agg):
+    batch = random_batch(6, 9, seed=9, drift=0.1)
+    gen = torch.Generator().manual_seed(4)
+    ref_logp = batch.old_logp + 0.3 * torch.randn(
+        batch.mask.shape, generator=gen, dtype=torch.float64
+    )
+    coef = 0.05
+    logp = fresh_logp(batch)
+    loss, metrics = _loss(
+        "gspo",
+        logp,
+        batch,
+        loss_agg=loss_agg,
+        ref_logp=ref_logp,
+        kl_coef=coef,
+        kl_estimator=estimator,
+    )
+    loss.backward()
+    ref_policy_logp = fresh_logp(batch)
+    plain, _ = _loss("gspo", ref_policy_logp, batch, loss_agg=loss_agg)
+    rows = [
+        [
+            _reference_kl(ref_policy_logp, ref_logp, i, t, estimator)
+            for t in range(batch.mask.shape[1])
+            if batch.mask[i, t]
+        ]
+        for i in range(batch.mask.shape[0])
+        if batch.mask[i].any()
+    ]
+    kl = -reference._aggregate(rows, loss_agg, None)
+    (plain + coef * kl).backward()
+    torch.testing.assert_close(loss, plain + coef * kl, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logp.grad, ref_policy_logp.grad, rtol=1e-10, atol=1e-13)
+    assert float(metrics["kl/ref"]) == pytest.approx(float(kl.detach()))
+    assert float(metrics["loss/kl_penalty"]) == pytest.approx(coef * float(kl.detach()))
+
+
+def test_kl_penalty_needs_the_reference_and_a_known_estimator():
+    batch = random_batch(4, 6, seed=1)
+    with pytest.raises(ValueError, match=r"ref_logp: kl_coef > 0 penalises the KL"):
+        _loss("gspo", batch.logp, batch, kl_coef=0.1)
+    with pytest.raises(ValueError, match=r"kl_estimator: unknown estimator 'k4'; valid: k1, k2"):
+        _loss("gspo", batch.logp, batch, ref_logp=batch.old_logp, kl_coef=0.1, kl_estimator="k4")
+    with pytest.raises(ValueError, match=r"kl_coef: expected a finite, non-negative number"):
+        _loss("gspo", batch.logp, batch, ref_logp=batch.old_logp, kl_coef=-1.0)
