@@ -4,7 +4,7 @@ Parameters are counted as megatron-core lays them out on a rank (its pipeline st
 EP shards; tests/launch/test_plan.py checks the counts against built models, the tiny one at
 several layouts and Qwen3-30B-A3B on the meta device). Memory per rank, in bytes:
 
-- weights: parameters x the model dtype's size;
+- weights: parameters x the model dtype's size (twice with a KL penalty: the frozen reference);
 - gradients: parameters x 4 (megatron-core's DDP keeps fp32 `main_grad` buffers, full size
   even with the distributed optimizer, megatron_rl/trainer/optimizer.py);
 - optimizer (Adam): 12 bytes per bf16 parameter (fp32 main weight and two moments), 8 per fp32
@@ -128,11 +128,13 @@ class RankMemory:
     logits: int
     routing_record: int
     engine: int
+    reference: int = 0  # the frozen reference policy's weights (algo.kl_coef > 0)
 
     @property
     def total(self) -> int:
         return (
             self.weights
+            + self.reference
             + self.gradients
             + self.optimizer
             + self.activations
@@ -225,6 +227,7 @@ def rank_memory(
         logits=logits,
         routing_record=record,
         engine=engine_bytes,
+        reference=params.total * a if recipe.algo.kl_coef > 0 else 0,
     )
 
 
@@ -348,6 +351,7 @@ def format_plan(plan: Plan) -> str:
         ("  dense", lambda m: _billions(m.parameters.dense)),
         ("  experts", lambda m: _billions(m.parameters.expert)),
         ("weights (GiB)", lambda m: _gib(m.weights)),
+        ("reference weights (GiB)", lambda m: _gib(m.reference)),
         ("gradients, fp32 (GiB)", lambda m: _gib(m.gradients)),
         (
             "Adam, distributed (GiB)"

@@ -17,6 +17,7 @@ from megatron_rl.trainer.metrics import StepTimer
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 from megatron_rl.trainer.policy import Policy, UpdateResult, metric_reduction
 from megatron_rl.trainer.recipe import AlgoConfig
+from megatron_rl.trainer.reference import ReferencePolicy
 from megatron_rl.trainer.schedule import OldPolicy
 
 
@@ -29,10 +30,11 @@ def learn(
     micro_batch_size: int,
     timer: StepTimer,
     seed: int,
+    reference: ReferencePolicy | None = None,
 ) -> dict[str, float]:
-    """Old log-probs, then `algo.updates_per_batch` optimizer steps on minibatches of `batch`
-    (shuffled with `seed`, cut into micro-batches of `micro_batch_size` rows); returns the
-    step's training metrics."""
+    """Old log-probs (and with `reference` the reference's), then `algo.updates_per_batch`
+    optimizer steps on minibatches of `batch` (shuffled with `seed`, cut into micro-batches of
+    `micro_batch_size` rows); returns the step's training metrics."""
     if batch is None:  # every group had equal rewards and was dropped
         return {"steps/skipped": 0.0, "steps/no_data": 1.0}
     mode = algo.routing_replay
@@ -57,6 +59,9 @@ def learn(
         if needs_forward:
             minibatches, old_metrics = _with_old_policy(policy, minibatches, algo)
             metrics |= old_metrics
+    if reference is not None:
+        with timer.phase("ref_logprob"):
+            minibatches = _with_reference(reference, minibatches)
     with timer.phase("train"):
         updates = [policy.update(minibatch, spec, mode) for minibatch in minibatches]
     if not needs_forward and not updates[0].skipped:
@@ -97,6 +102,19 @@ def _with_old_policy(
     metrics["routing/record_bytes"] = float(routing_bytes(records))
     remaining = iter(attached)
     return [[next(remaining) for _ in minibatch] for minibatch in minibatches], metrics
+
+
+def _with_reference(
+    reference: ReferencePolicy, minibatches: list[list[PolicyMicroBatch]]
+) -> list[list[PolicyMicroBatch]]:
+    """The minibatches with the reference policy's log-probs attached (one forward over all of
+    their micro-batches; the last pipeline stage alone has and reads them)."""
+    every_micro_batch = [micro for minibatch in minibatches for micro in minibatch]
+    logprobs = iter(reference.logprobs(every_micro_batch))
+    return [
+        [dataclasses.replace(micro, ref_logp=next(logprobs)) for micro in minibatch]
+        for minibatch in minibatches
+    ]
 
 
 def _update_metrics(updates: list[UpdateResult]) -> dict[str, float]:

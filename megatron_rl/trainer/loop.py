@@ -39,6 +39,7 @@ from megatron_rl.trainer.metrics import (
 from megatron_rl.trainer.policy import Policy
 from megatron_rl.trainer.rank0_engine import Rank0Engine
 from megatron_rl.trainer.recipe import Recipe
+from megatron_rl.trainer.reference import ReferencePolicy
 from megatron_rl.trainer.rollout_step import rollout_step
 from megatron_rl.trainer.weight_sync import sync_weights
 
@@ -90,8 +91,10 @@ class Trainer:
         problems: ProblemSource,
         verifier: Verifier,
         stop: StopSignals | None = None,
+        reference: ReferencePolicy | None = None,
     ) -> None:
         self.recipe, self.policy, self.engine = recipe, policy, engine
+        self.reference = reference
         self.codec, self.problems, self.verifier = codec, problems, verifier
         self.stop = stop
         self.loss_spec = recipe.algo.loss_spec(max_response_len=recipe.rollout.max_new_tokens)
@@ -121,6 +124,8 @@ class Trainer:
         for problem in (*problems.train, *problems.eval_problems):  # a bad prompt fails now
             codec.encode_prompt(problem.prompt, origin=problem.origin)
         policy = Policy(recipe.model, dims, recipe.optim)
+        # The starting weights, frozen: on resume too, model.hf_path is where the run started.
+        reference = ReferencePolicy(recipe.model, dims) if recipe.algo.kl_coef > 0 else None
         engine = None
         if dist.get_rank() == 0:
             engine = open_engine(
@@ -131,7 +136,9 @@ class Trainer:
                 routing_shape=(policy.config.num_layers, policy.config.router_topk),
                 routed_experts=recipe.algo.routing_replay.uses_engine_routing,
             )
-        trainer = cls(recipe, policy, Rank0Engine(engine), codec, problems, verifier, stop)
+        trainer = cls(
+            recipe, policy, Rank0Engine(engine), codec, problems, verifier, stop, reference
+        )
         if found is not None:
             trainer.start, state = load_checkpoint(found, policy)
             trainer.bad_steps = state["bad_steps"]
@@ -183,6 +190,7 @@ class Trainer:
             micro_batch_size=recipe.run.micro_batch_size,
             timer=timer,
             seed=recipe.run.seed + step,
+            reference=self.reference,
         )
         with timer.phase("weight_sync"):
             metrics |= self.sync(step)

@@ -29,6 +29,8 @@ class PolicyMicroBatch:
         old_logp: like tokens, old-policy log-prob of the predicted token.
         engine_logp: like tokens, the rollout engine's log-prob of it, kept beside the trainer's
             old log-probs for a mismatch correction; or None.
+        ref_logp: like tokens, the frozen reference policy's log-prob of it (KL penalty), or
+            None.
         advantages: `[b]` (or `[N]`) per-sequence advantages; per-token ones like tokens.
         segment_ids: like tokens, SSPO segment ids within each sequence, or None.
         old_entropy: like tokens, old-policy entropy, or None.
@@ -49,6 +51,7 @@ class PolicyMicroBatch:
     cu_seqlens: Tensor | None = None
     routing: list[Tensor] | None = None
     engine_logp: Tensor | None = None
+    ref_logp: Tensor | None = None
 
     def to(self, device: torch.device) -> PolicyMicroBatch:
         """This micro-batch with every tensor on `device`; itself when they are already there."""
@@ -101,6 +104,7 @@ class PolicyMicroBatch:
             self.loss_mask,
             self.segment_ids,
             self.old_entropy,
+            self.ref_logp,
         )
         if self.cu_seqlens is None:
             return rows
@@ -127,6 +131,7 @@ class LossRows(NamedTuple):
     loss_mask: Tensor
     segment_ids: Tensor | None
     old_entropy: Tensor | None
+    ref_logp: Tensor | None
 
 
 def _on_device(value: Tensor | list[Tensor] | None, device: torch.device) -> Any:

@@ -13,7 +13,8 @@ from megatron.core import parallel_state
 from torch import Tensor
 
 from megatron_rl.models.build import build_gpt_moe
-from megatron_rl.models.config import ModelConfig
+from megatron_rl.models.config import ModelConfig, MoEModelConfig
+from megatron_rl.models.families import ModelFamily
 from megatron_rl.models.hf_source import inspect_hf
 from megatron_rl.models.hf_weights import HFWeightStream, load_hf_weights, stream_hf_weights
 from megatron_rl.moe.drift import routing_drift
@@ -68,20 +69,9 @@ class Policy:
     ) -> None:
         self.hf_dir = Path(model.hf_path)
         self.dims = dims
-        source = inspect_hf(self.hf_dir, given_as="model.hf_path")
-        self.family, self.config = source.family, source.config
-        chunk = build_gpt_moe(
-            self.config,
-            dims,
-            dispatcher=model.dispatcher,
-            recompute=model.recompute,
-            initialize=False,
-            routing_replay=routing_replay,
+        self.family, self.config, chunk = load_model_chunk(
+            model, dims, routing_replay=routing_replay
         )
-        load_hf_weights(
-            chunk, self.family, self.config, source.checkpoint.tensor, source.checkpoint.shape
-        )
-        source.checkpoint.close()
         self.replay = RoutingReplay(chunk) if routing_replay else None
         # With no data-parallel copies the distributed optimizer has nothing to shard and takes
         # the plain optimizer's steps, with parameter gathers on top.
@@ -178,6 +168,28 @@ class Policy:
         return stream_hf_weights(
             self.model.module, self.family, self.config, bucket_bytes=bucket_bytes
         )
+
+
+def load_model_chunk(
+    model: ModelConfig, dims: ParallelDims, *, routing_replay: bool
+) -> tuple[ModelFamily, MoEModelConfig, torch.nn.Module]:
+    """This rank's chunk of the Megatron-Core model of `model.hf_path`, its weights loaded, with
+    the family and config it was built from (`routing_replay`: routers built with
+    megatron-core's RouterReplay)."""
+    source = inspect_hf(Path(model.hf_path), given_as="model.hf_path")
+    chunk = build_gpt_moe(
+        source.config,
+        dims,
+        dispatcher=model.dispatcher,
+        recompute=model.recompute,
+        initialize=False,
+        routing_replay=routing_replay,
+    )
+    load_hf_weights(
+        chunk, source.family, source.config, source.checkpoint.tensor, source.checkpoint.shape
+    )
+    source.checkpoint.close()
+    return source.family, source.config, chunk
 
 
 def metric_reduction(key: str) -> Literal["max", "min", "mean"]:

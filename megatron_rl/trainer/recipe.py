@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from megatron_rl.algo import (
+    KL_ESTIMATORS,
     LOSS_AGG_MODES,
     MISMATCH_CORRECTIONS,
     MismatchCorrection,
@@ -69,6 +70,11 @@ class AlgoConfig:
     entropy_coef: float = 0.0
     """Entropy bonus: this times the current policy's token entropy, aggregated like the loss,
     is added to the objective (0: none)."""
+    kl_coef: float = 0.0
+    """KL penalty to the reference policy (the starting weights, kept frozen; built only when
+    > 0): this times the aggregated per-token estimate is subtracted from the objective."""
+    kl_estimator: str = "k3"
+    """The per-token KL estimator: k1, k2 or k3 (docs/algorithms.md, KL penalty)."""
     std_normalize: bool = True
     """Divide group advantages by the group's std (GRPO); false: Dr. GRPO's mean-centring only."""
     drop_zero_variance_groups: bool = False
@@ -144,8 +150,14 @@ class AlgoConfig:
             raise ConfigError(
                 f"algo.updates_per_batch: expected >= 1, got {self.updates_per_batch}"
             )
-        if self.entropy_coef < 0:
-            raise ConfigError(f"algo.entropy_coef: expected >= 0, got {self.entropy_coef}")
+        for name in ("entropy_coef", "kl_coef"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"algo.{name}: expected >= 0, got {getattr(self, name)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(
+                f"algo.kl_estimator: unknown estimator {self.kl_estimator!r}; valid: "
+                f"{', '.join(KL_ESTIMATORS)}"
+            )
         self._validate_mismatch()
         self._dual_clip_option()
 
@@ -164,6 +176,8 @@ class AlgoConfig:
                 "check_finite": False,
                 "mismatch": self.correction(),
                 "entropy_coef": self.entropy_coef,
+                "kl_coef": self.kl_coef,
+                "kl_estimator": self.kl_estimator,
             }
             | self._dual_clip_option()
             | ({"max_response_len": max_response_len} if dr_grpo else {}),

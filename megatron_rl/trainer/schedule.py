@@ -61,6 +61,7 @@ def policy_loss_func(
         old_entropy=rows.old_entropy,
         engine_logp=rows.engine_logp,
         entropy=rows.entropy,
+        ref_logp=rows.ref_logp,
         loss_denominator=1,
         **options,
     )

@@ -95,6 +95,11 @@ def test_memory_relations():
     assert stage.routing_record == 0
     replayed = _plan(["algo.loss=grpo", "algo.routing_replay=r2"], nodes=2, rollout_nodes=1)
     assert replayed.stages[0].routing_record > 0
+    # a KL penalty holds the frozen reference: one more copy of the weights
+    assert stage.reference == 0
+    penalised = _plan(["algo.kl_coef=0.001"], nodes=2, rollout_nodes=1).stages[0]
+    assert penalised.reference == stage.weights
+    assert penalised.total == stage.total + stage.weights
     # activations: linear in the micro-batch; recompute keeps less
     double = _plan(["run.micro_batch_size=8"], nodes=2, rollout_nodes=1).stages[1]
     assert double.activations == pytest.approx(2 * plan.stages[1].activations, rel=0.01)

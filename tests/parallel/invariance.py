@@ -51,7 +51,7 @@ LOSSES = {
     "sspo": PolicyLossSpec("sspo", 0.1, 0.1),
 }
 # The terms around the surrogate: mismatch corrections (bands narrow enough to mask or truncate
-# some tokens of micro_batches' engine log-probs), the entropy bonus, dual-clip.
+# some tokens of micro_batches' engine log-probs), the entropy bonus, dual-clip, a KL penalty.
 CORRECTED_LOSSES = {
     "grpo_icepop_entropy": PolicyLossSpec(
         "grpo",
@@ -63,7 +63,11 @@ CORRECTED_LOSSES = {
         "gspo",
         3e-2,
         4e-2,
-        {"mismatch": MismatchCorrection.of("tis", level="sequence", upper=1.2), "dual_clip": 3.0},
+        {
+            "mismatch": MismatchCorrection.of("tis", level="sequence", upper=1.2),
+            "dual_clip": 3.0,
+            "kl_coef": 0.1,
+        },
     ),
 }
 LAYOUTS = {
@@ -97,6 +101,7 @@ def micro_batches(count: int = 4, batch: int = 2, seq: int = 24, seed: int = 0) 
                 loss_mask=mask,
                 old_logp=old_logp,
                 engine_logp=old_logp + 0.2 * torch.randn(batch, seq, generator=gen),
+                ref_logp=old_logp + 0.1 * torch.randn(batch, seq, generator=gen),
                 advantages=torch.randn(batch, generator=gen),
                 segment_ids=subsentence_segment_ids(targets, mask, [NEWLINE]),
                 old_entropy=torch.rand(batch, seq, generator=gen),

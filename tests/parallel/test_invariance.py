@@ -34,8 +34,8 @@ def test_split_model_matches_single_process(layout, tmp_path):
     assert len(with_loss) == (1 if layout.startswith("pp2") else 2)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_corrected_and_entropy_terms_match_single_process(layout, tmp_path):
+@pytest.mark.parametrize("layout", ["tp2", "ep2_alltoall", "pp2"])
+def test_corrected_entropy_and_kl_terms_match_single_process(layout, tmp_path):
     losses = list(invariance.CORRECTED_LOSSES)
     reports = run_on_ranks(invariance.compare_layout, layout, losses, str(tmp_path))
     for rank, report in enumerate(reports):

@@ -92,6 +92,26 @@ def test_each_loss_runs_end_to_end(tmp_path, loss, replay, terms):
     assert (checkpoints / "latest").read_text().strip() == "step_000002"
 
 
+def test_a_kl_penalty_keeps_the_policy_closer_to_the_reference(tmp_path):
+    # The same run twice but for the penalty's weight: after a few steps the KL to the starting
+    # weights is smaller with the larger weight. (k3's gradient is 0 where the policy equals the
+    # reference, so the runs part only after the first update that moved the policy.)
+    kl = {}
+    for coef in ("1e-6", "0.5"):
+        run_dir = tmp_path / coef
+        overrides = ["algo.kl_coef=" + coef, "algo.kl_estimator=k3", "run.steps=4"]
+        result = train_cli(run_dir, overrides)
+        assert result.returncode == 0, result.stderr[-3000:]
+        metrics = read_metrics(run_dir)
+        assert sorted(metrics) == [0, 1, 2, 3, 4]
+        assert metrics[1]["time/ref_logprob_s"] > 0
+        assert metrics[4]["loss/kl_penalty"] == pytest.approx(
+            float(coef) * metrics[4]["kl/ref"], rel=1e-6
+        )
+        kl[coef] = metrics[4]["kl/ref"]
+    assert 0 < kl["0.5"] < kl["1e-6"]
+
+
 def test_engine_logprobs_export_and_wandb(tmp_path):
     # wandb offline, its files kept inside the test's directory
     wandb_env = {f"WANDB_{name}_DIR": str(tmp_path / "wandb-home") for name in ("CONFIG", "CACHE")}
