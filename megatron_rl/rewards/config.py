@@ -7,7 +7,7 @@ from typing import Literal
 
 from megatron_rl.config import ConfigError, check_positive
 from megatron_rl.rewards.arithmetic import ArithmeticTask
-from megatron_rl.rewards.datasets import load_jsonl_problems
+from megatron_rl.rewards.datasets import load_jsonl_problems, load_parquet_problems
 from megatron_rl.rewards.source import ProblemSource
 from megatron_rl.rewards.verifiers import verifier_names
 
@@ -16,12 +16,21 @@ from megatron_rl.rewards.verifiers import verifier_names
 class DataConfig:
     """Prompts, references and the verifier that scores responses."""
 
-    source: Literal["arithmetic", "jsonl"] = "arithmetic"
-    """arithmetic: the built-in multi-step task; jsonl: `train_path` / `eval_path` files."""
+    source: Literal["arithmetic", "jsonl", "parquet"] = "arithmetic"
+    """arithmetic: the built-in multi-step task; jsonl, parquet: `train_path` / `eval_path`
+    files."""
     train_path: str | None = None
-    """JSONL file with one {"prompt": ..., "answer": ...} per line (source=jsonl)."""
+    """Training problems: a JSON Lines file with one {"prompt": ..., "answer": ...} object per
+    line (source=jsonl), or a parquet file with one per row (source=parquet)."""
     eval_path: str | None = None
-    """JSONL file of held-out problems (source=jsonl)."""
+    """Held-out problems, in the same format."""
+    prompt_key: str = "prompt"
+    """The key (JSON Lines) or column (parquet) holding each problem's prompt."""
+    answer_key: str = "answer"
+    """The key or column holding each problem's reference answer."""
+    chat_template: bool = False
+    """Wrap each prompt as one user message in the tokenizer's chat template, with the
+    assistant's turn opened (instruct models)."""
     verifier: str = "arithmetic"
     """Reward function, one of megatron_rl.rewards.verifier_names()."""
     reward_timeout_s: float = 5.0
@@ -41,17 +50,23 @@ class DataConfig:
                 f"data.verifier: unknown verifier {self.verifier!r}; valid: "
                 f"{', '.join(verifier_names())}"
             )
-        if self.source == "jsonl" and not (self.train_path and self.eval_path):
-            raise ConfigError("data.train_path and data.eval_path: required when source=jsonl")
+        if self.source != "arithmetic" and not (self.train_path and self.eval_path):
+            raise ConfigError(
+                f"data.train_path and data.eval_path: required when source={self.source}"
+            )
+        for name in ("prompt_key", "answer_key"):
+            if not getattr(self, name):
+                raise ConfigError(f"data.{name}: expected a non-empty key")
         check_positive("data", self, "reward_timeout_s", "eval_problems")
 
 
 def problem_source(config: DataConfig, *, per_step: int, seed: int) -> ProblemSource:
     """The training batches and held-out problems `config` names; `per_step` problems per RL
     step, shuffled with `seed`."""
-    if config.source == "jsonl":
-        train = load_jsonl_problems(config.train_path)
-        held_out = load_jsonl_problems(config.eval_path)
+    if config.source != "arithmetic":
+        load = load_jsonl_problems if config.source == "jsonl" else load_parquet_problems
+        train = load(config.train_path, config.prompt_key, config.answer_key)
+        held_out = load(config.eval_path, config.prompt_key, config.answer_key)
     else:
         task = ArithmeticTask(
             min_operands=config.min_operands,

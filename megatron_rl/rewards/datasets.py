@@ -1,9 +1,18 @@
-"""Prompt files that users bring: JSON Lines, one problem per line, checked with exact locations."""
+"""Prompt files that users bring: JSON Lines (one problem per line) or parquet (one per row),
+checked with exact locations.
+
+Parquet, a binary columnar format, is read with Hugging Face datasets. JSON Lines is read line by
+line here rather than by datasets' JSON loader (datasets 5.2), which infers one type per column
+(an answer 42 next to 0.5 becomes 42.0, so "42.0") and reports a malformed record as "An error
+occurred while generating the dataset" over pyarrow's "row 1" of a block: here each record keeps
+its own types and every error names its file and line.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
 from megatron_rl.rewards.arithmetic import Problem
@@ -42,6 +51,63 @@ def load_jsonl_problems(
     if not problems:
         raise DatasetError(f"{path}: no records (the file is empty or has only blank lines)")
     return problems
+
+
+def load_parquet_problems(
+    path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer"
+) -> list[Problem]:
+    """The problems of a parquet file, one per row, read with Hugging Face datasets
+    (`load_dataset("parquet", data_files=...)`, in memory, its cache in a directory removed
+    afterwards). Columns and values as `load_jsonl_problems`; errors name the file, and the row
+    (from 0) and column.
+
+    Raises:
+        DatasetError: the file is missing or not parquet, lacks a column, holds no row, or a
+            row's prompt or answer is invalid.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: file not found")
+    # Imported here: datasets pulls pyarrow and pandas, which only parquet prompt files need.
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory(prefix="megatron-rl-datasets-") as cache:
+        try:
+            table = datasets.load_dataset(
+                "parquet", data_files=str(path), split="train", cache_dir=cache, keep_in_memory=True
+            )
+        except Exception as error:  # pyarrow and datasets raise many kinds
+            raise _unreadable_parquet(path, error) from None
+        for key in (prompt_key, answer_key):
+            if key not in table.column_names:
+                present = ", ".join(repr(name) for name in table.column_names) or "none"
+                raise DatasetError(f"{path}: no column {key!r}; columns present: {present}")
+        prompts, answers = table[prompt_key], table[answer_key]
+    if not prompts:
+        raise DatasetError(f"{path}: no rows")
+    return [
+        _problem(
+            {prompt_key: prompt, answer_key: answer}, prompt_key, answer_key, f"{path}: row {row}"
+        )
+        for row, (prompt, answer) in enumerate(zip(prompts, answers, strict=True))
+    ]
+
+
+def _unreadable_parquet(path: Path, error: Exception) -> DatasetError:
+    """What went wrong reading `path`: datasets wraps pyarrow's error, which says it; a file
+    without rows is one datasets cannot load (datasets 5.2: pyarrow's "BatchSize must be greater
+    than 0")."""
+    import pyarrow.parquet
+
+    try:
+        if pyarrow.parquet.ParquetFile(path).metadata.num_rows == 0:
+            return DatasetError(f"{path}: no rows")
+    except Exception:  # not parquet at all: the original error says so
+        pass
+    cause = error.__cause__ or error
+    return DatasetError(f"{path}: not readable as parquet ({type(cause).__name__}: {cause})")
 
 
 def _parse_record(raw_line: bytes, where: str) -> dict[str, object]:

@@ -124,10 +124,8 @@ def normalize_answer(answer: str) -> str:
     return f"-{magnitude}" if number["sign"] == "-" else magnitude
 
 
-# The arithmetic task ends its solution with `#### n`, which the final-answer rule reads, so one
-# function serves both names.
+# The arithmetic task ends its solution with `#### n`, which the final-answer rule reads.
 @register_verifier("arithmetic")
-@register_verifier("math")
 def final_answer_verifier(prompt: str, response: str, reference: str) -> float:
     """1.0 when the response's final answer equals the reference after normalisation, else 0.0.
 
@@ -141,6 +139,31 @@ def final_answer_verifier(prompt: str, response: str, reference: str) -> float:
     if expected is None:
         expected = reference
     return 1.0 if normalize_answer(answer) == normalize_answer(expected) else 0.0
+
+
+@register_verifier("math")
+def math_verifier(prompt: str, response: str, reference: str) -> float:
+    """1.0 when Hugging Face's math-verify finds the response's final answer mathematically
+    equal to the reference (`1/2`, `0.5` and `\\frac{1}{2}` agree; so do `2\\sqrt{2}` and
+    `\\sqrt{8}`), else 0.0.
+
+    The final answer is the last `\\boxed{}` or `#### ` line (`extract_final_answer`); a
+    response with neither is handed to math-verify whole, which extracts what it can. The
+    reference may be bare or carry `####` / `\\boxed{}` itself. A reference math-verify cannot
+    read raises (the sample is counted in `reward/failures`), so a bad dataset shows.
+    """
+    # Imported here: math-verify pulls sympy and its LaTeX grammar, which only this verifier needs.
+    from math_verify import parse, verify
+
+    expected = extract_final_answer(reference)
+    # Its own timeouts use signal.alarm, which only the main thread may; score_responses
+    # runs verifiers on worker threads and enforces the deadline itself.
+    gold = parse(f"\\boxed{{{reference if expected is None else expected}}}", parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"reference {reference!r}: math-verify finds no answer in it")
+    answer = extract_final_answer(response)
+    target = parse(response if answer is None else f"\\boxed{{{answer}}}", parsing_timeout=None)
+    return 1.0 if target and verify(gold, target, timeout_seconds=None) else 0.0
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,22 @@ class PromptCodec:
     Args:
         tokenizer_dir: a directory with the tokenizer files (the Hugging Face model's).
         max_prompt_tokens: longest prompt accepted; a longer one is an error naming it.
+        chat_template: each prompt becomes one user message in the tokenizer's chat template,
+            followed by the assistant's turn (instruct models).
     """
 
-    def __init__(self, tokenizer_dir: str | Path, *, max_prompt_tokens: int) -> None:
+    def __init__(
+        self, tokenizer_dir: str | Path, *, max_prompt_tokens: int, chat_template: bool = False
+    ) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         if self.tokenizer.eos_token_id is None:
             raise ValueError(f"{tokenizer_dir}: the tokenizer defines no eos token")
+        if chat_template and not self.tokenizer.chat_template:
+            raise ValueError(
+                f"data.chat_template: the tokenizer in {tokenizer_dir} has no chat template "
+                "(tokenizer_config.json's chat_template); set data.chat_template=false"
+            )
+        self.chat_template = chat_template
         self.max_prompt_tokens = max_prompt_tokens
         vocab = self.tokenizer.get_vocab()
         # SSPO segments end at newlines; with BPE vocabularies merged tokens such as ".\n" too.
@@ -34,7 +44,15 @@ class PromptCodec:
         """The token ids of prompt `text`; errors name it and `origin` (`FILE:LINE`)."""
         named = f"{origin + ': ' if origin else ''}prompt {text[:40]!r}"
         try:
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if self.chat_template:
+                ids = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            else:
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
         except Exception as error:  # the tokenizers library raises bare Exceptions
             raise ValueError(f"{named}: the tokenizer cannot encode it ({error})") from None
         if not ids:

@@ -116,7 +116,11 @@ class Trainer:
         serving the policy's weights, and the data; from the newest checkpoint with `resume`."""
         hf_path, run_dir = recipe.model.hf_path, Path(recipe.run.dir)
         found = from_rank0(lambda: resume_point(run_dir, resume=resume))
-        codec = PromptCodec(hf_path, max_prompt_tokens=_max_prompt_tokens(recipe))
+        codec = PromptCodec(
+            hf_path,
+            max_prompt_tokens=_max_prompt_tokens(recipe),
+            chat_template=recipe.data.chat_template,
+        )
         problems = problem_source(
             recipe.data, per_step=recipe.rollout.prompts_per_step, seed=recipe.run.seed
         )

@@ -6,7 +6,14 @@ import re
 
 import pytest
 
-from megatron_rl.rewards import DatasetError, Problem, load_jsonl_problems
+from megatron_rl.rewards import (
+    DataConfig,
+    DatasetError,
+    Problem,
+    load_jsonl_problems,
+    load_parquet_problems,
+    problem_source,
+)
 
 
 def _write(tmp_path, text: str):
@@ -90,3 +97,76 @@ def test_file_without_records_is_named(tmp_path, text):
 
 def test_dataset_error_is_a_value_error():
     assert issubclass(DatasetError, ValueError)
+
+
+def _write_parquet(path, columns: dict):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def test_parquet_rows_load_through_hugging_face_datasets(tmp_path):
+    path = _write_parquet(
+        tmp_path / "train.parquet",
+        {
+            "question": ["What is 6*7?", "Half of 1?"],
+            "solution": ["42", "\\frac{1}{2}"],
+            "x": [1, 2],
+        },
+    )
+    problems = load_parquet_problems(path, prompt_key="question", answer_key="solution")
+    assert problems == [
+        Problem(prompt="What is 6*7?", solution="", reference="42"),
+        Problem(prompt="Half of 1?", solution="", reference="\\frac{1}{2}"),
+    ]
+    assert [problem.origin for problem in problems] == [f"{path}: row 0", f"{path}: row 1"]
+    numbers = _write_parquet(tmp_path / "n.parquet", {"prompt": ["a", "b"], "answer": [42, 7]})
+    assert [p.reference for p in load_parquet_problems(numbers)] == ["42", "7"]
+
+
+@pytest.mark.parametrize(
+    ("columns", "message"),
+    [
+        (
+            {"prompt": ["a"], "reply": ["1"]},
+            "no column 'answer'; columns present: 'prompt', 'reply'",
+        ),
+        (
+            {"prompt": ["a", ""], "answer": ["1", "2"]},
+            "row 1: 'prompt': expected a non-empty string",
+        ),
+        ({"prompt": ["a", "b"], "answer": ["1", None]}, "row 1: 'answer': expected a non-empty"),
+        ({"prompt": [], "answer": []}, "no rows"),
+    ],
+)
+def test_bad_parquet_names_the_file_row_and_column(tmp_path, columns, message):
+    import pyarrow as pa
+
+    if not columns["prompt"]:
+        columns = {name: pa.array([], type=pa.string()) for name in columns}
+    path = _write_parquet(tmp_path / "bad.parquet", columns)
+    with pytest.raises(DatasetError, match=re.escape(f"{path}: {message}")):
+        load_parquet_problems(path)
+
+
+def test_a_file_that_is_not_parquet_or_absent_is_named(tmp_path):
+    path = _write(tmp_path, '{"prompt": "a", "answer": "1"}\n')
+    with pytest.raises(DatasetError, match=re.escape(f"{path}: not readable as parquet")):
+        load_parquet_problems(path)
+    with pytest.raises(DatasetError, match=re.escape(f"{tmp_path / 'no.parquet'}: file not found")):
+        load_parquet_problems(tmp_path / "no.parquet")
+
+
+def test_the_data_section_reads_either_format_with_its_keys(tmp_path):
+    jsonl = _write(tmp_path, '{"q": "1+1?", "a": 2}\n{"q": "2+2?", "a": 4}\n')
+    parquet = _write_parquet(tmp_path / "p.parquet", {"q": ["1+1?", "2+2?"], "a": ["2", "4"]})
+    for source, path in (("jsonl", jsonl), ("parquet", parquet)):
+        config = DataConfig(
+            source=source, train_path=str(path), eval_path=str(path), prompt_key="q", answer_key="a"
+        )
+        config.validate()
+        problems = problem_source(config, per_step=2, seed=0)
+        assert sorted(p.reference for p in problems.train_batch(1)) == ["2", "4"]
+        assert [p.prompt for p in problems.eval_problems] == ["1+1?", "2+2?"]

@@ -75,10 +75,29 @@ def test_normalize_answer(answer, expected):
         ("thus \\boxed{999}", "1000", 0.0),
         ("#### 12\n", "13", 0.0),
         ("I do not know", "1000", 0.0),
+        # math-verify's equivalence, beyond number normalisation
+        ("so \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("so \\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),
+        ("so \\boxed{x + 1}", "1 + x", 1.0),
+        ("so \\boxed{\\frac{1}{3}}", "0.33", 0.0),
+        ("the answer is 7, clearly", "7", 1.0),  # no box or marker: math-verify extracts it
     ],
 )
 def test_math_verifier(response, reference, reward):
     assert get_verifier("math")("What is it?", response, reference) == reward
+
+
+def test_the_math_verifier_refuses_a_reference_it_cannot_read():
+    with pytest.raises(ValueError, match=r"reference '\}\{': math-verify finds no answer"):
+        get_verifier("math")("?", "\\boxed{1}", "}{")
+
+
+def test_the_math_verifier_runs_on_scoring_threads():
+    # math-verify's own timeout needs the main thread; score_responses uses worker threads
+    scores = score_responses(
+        get_verifier("math"), ["?"] * 4, ["\\boxed{0.5}"] * 4, ["\\frac{1}{2}"] * 4, timeout_s=30
+    )
+    assert scores.rewards == [1.0] * 4 and scores.failures == 0
 
 
 def test_builtin_verifiers_are_registered_and_sorted():
