@@ -20,7 +20,7 @@ INSTALL_REQUIRES = [
     # One transformers for the whole project: SGLang 0.5.23 runs with 5.19.
     "transformers==5.19.0",
     "safetensors==0.8.0",
-    # Prompt datasets: parquet files through Hugging Face datasets (megatron_rl/rewards/datasets.py);
+    # Prompt files: parquet through Hugging Face datasets (megatron_rl/rewards/datasets.py);
     # the `math` verifier's answer equivalence through Hugging Face math-verify.
     "datasets==5.2.0",
     "math-verify==0.9.0",
