@@ -14,6 +14,19 @@ class GroupAdvantages(NamedTuple):
     zero_variance: Tensor  # [B] bool: the sample's group has all-equal rewards (drop or count)
 
 
+def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int) -> Tensor:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13): `[B]` rewards added for
+    responses of `lengths` `[B]` tokens: 0 up to max_new_tokens - buffer, then falling linearly
+    to -1 at max_new_tokens ((max_new_tokens - buffer - length) / buffer), -1 beyond."""
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or not 0 < buffer < max_new_tokens:
+        raise ValueError(
+            f"buffer: expected an int in (0, max_new_tokens = {max_new_tokens}), got {buffer!r}"
+        )
+    free = max_new_tokens - buffer
+    over = (lengths.to(torch.float32) - free).clamp(min=0)
+    return -(over / buffer).clamp(max=1.0)
+
+
 def group_advantages(
     rewards: Tensor, group_size: int, *, std_normalize: bool = True, eps: float = 1e-6
 ) -> GroupAdvantages:

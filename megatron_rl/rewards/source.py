@@ -43,6 +43,15 @@ class ProblemSource:
             self._epochs = {epoch: order}  # batches move forward; keep one epoch in memory
         return self._epochs[epoch]
 
+    def extra_batch(self, step: int, round_index: int) -> list[Problem]:
+        """`per_step` further problems for generation round `round_index` (from 1) of step
+        `step` (dynamic sampling): a seeded draw that depends on the seed, step and round
+        alone, so that a resumed run draws the same."""
+        if step < 1 or round_index < 1:
+            raise ValueError(f"step, round_index: expected >= 1, got {step}, {round_index}")
+        draw = random.Random(f"{self.seed}:{step}:{round_index}")
+        return [self.train[draw.randrange(len(self.train))] for _ in range(self.per_step)]
+
     def train_batch(self, step: int) -> list[Problem]:
         """The `per_step` problems of RL step `step` (1-based)."""
         if step < 1:

@@ -36,6 +36,16 @@ class RolloutConfig:
     probe_tolerance: float = 0.02
     """Largest mean |engine - trainer| log-prob on the probe before the run stops (bf16
     engines differ by ~1e-2; stale weights by more)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: leave out groups whose rewards are all equal and generate groups
+    of further problems until the step has prompts_per_step groups that carry a gradient (at
+    most max_generation_rounds rounds)."""
+    max_generation_rounds: int = 3
+    """With dynamic_sampling: generation rounds per step at most, the first included; after
+    the last the step trains on the groups it has (counted in dynamic/short)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a response's reward falls linearly from 0 to -1 over the
+    last this many tokens before max_new_tokens (0: off)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang servers, for backend=sglang."""
 
@@ -51,6 +61,15 @@ class RolloutConfig:
         )
         if self.probe_every < 0:
             raise ConfigError(f"rollout.probe_every: expected >= 0, got {self.probe_every}")
+        if self.max_generation_rounds < 1:
+            raise ConfigError(
+                f"rollout.max_generation_rounds: expected >= 1, got {self.max_generation_rounds}"
+            )
+        if not 0 <= self.overlong_buffer < self.max_new_tokens:
+            raise ConfigError(
+                f"rollout.overlong_buffer: expected 0 (off) up to rollout.max_new_tokens - 1 = "
+                f"{self.max_new_tokens - 1}, got {self.overlong_buffer}"
+            )
         if self.group_size < 2:
             raise ConfigError(
                 f"rollout.group_size: expected >= 2, got {self.group_size} (advantages are "

@@ -178,7 +178,8 @@ class Trainer:
                 lambda engine: rollout_step(
                     engine,
                     self.codec,
-                    self.problems.train_batch(step),
+                    self.problems,
+                    step,
                     self.verifier,
                     rollout=recipe.rollout,
                     algo=recipe.algo,

@@ -79,6 +79,9 @@ class AlgoConfig:
     """Divide group advantages by the group's std (GRPO); false: Dr. GRPO's mean-centring only."""
     drop_zero_variance_groups: bool = False
     """Leave out groups whose rewards are all equal (they carry no gradient; always counted)."""
+    overlong_filter: bool = False
+    """DAPO's overlong filter: responses cut at rollout.max_new_tokens carry no loss (their
+    rewards still count in their groups' advantages)."""
 
     RENAMED: ClassVar[dict[str, str]] = {
         "use_engine_logprobs": "the engine's log-probs as the old ones are algo.mismatch=bypass"

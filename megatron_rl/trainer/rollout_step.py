@@ -1,14 +1,15 @@
-"""The rollout half of an RL step, on the rank that holds the engine: samples, rewards, group
-advantages, and one padded batch to train on."""
+"""The rollout half of an RL step, on the rank that holds the engine: samples, rewards (with the
+overlong penalty), group advantages, the groups and samples that train (zero-variance groups,
+dynamic sampling, the overlong filter), and one padded batch of them."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron_rl.algo import group_advantages
-from megatron_rl.rewards import DataConfig, Problem, Verifier
+from megatron_rl.algo import group_advantages, overlong_penalty
+from megatron_rl.rewards import DataConfig, Problem, ProblemSource, Verifier
 from megatron_rl.rollout.codec import PromptCodec
-from megatron_rl.rollout.collect import collect_rollouts
+from megatron_rl.rollout.collect import Rollouts, collect_rollouts
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
 from megatron_rl.trainer.batches import RolloutBatch, build_rollout_batch
@@ -28,7 +29,8 @@ def sampling_params(rollout: RolloutConfig, codec: PromptCodec) -> SamplingParam
 def rollout_step(
     engine: RolloutEngine,
     codec: PromptCodec,
-    problems: list[Problem],
+    problems: ProblemSource,
+    step: int,
     verifier: Verifier,
     *,
     rollout: RolloutConfig,
@@ -36,8 +38,90 @@ def rollout_step(
     data: DataConfig,
     seed: int,
 ) -> tuple[RolloutBatch | None, dict[str, float]]:
-    """`rollout.group_size` samples of each problem, scored by `verifier`, with their group
-    advantages; returns the batch (None when nothing is left to train on) and the metrics."""
+    """`rollout.group_size` samples of each problem of `step`, scored by `verifier`, with their
+    group advantages; with `rollout.dynamic_sampling` further rounds of problems until
+    `prompts_per_step` groups carry a gradient. Returns the batch (None when nothing is left to
+    train on) and the metrics: the first round's rollout metrics (the policy on the step's own
+    problems) and what was kept."""
+    rounds = rollout.max_generation_rounds if rollout.dynamic_sampling else 1
+    drop_equal = algo.drop_zero_variance_groups or rollout.dynamic_sampling
+    kept_samples, kept_advantages, metrics = [], [], {}
+    generated = kept_groups = zero_variance = filtered = 0
+    for round_index in range(rounds):
+        batch = (
+            problems.train_batch(step)
+            if round_index == 0
+            else problems.extra_batch(step, round_index)
+        )
+        rollouts = _scored_rollouts(
+            engine,
+            codec,
+            batch,
+            verifier,
+            rollout=rollout,
+            algo=algo,
+            data=data,
+            seed=seed if round_index == 0 else (seed << 8) + round_index,
+        )
+        if round_index == 0:
+            metrics = rollouts.metrics
+        groups = group_advantages(
+            rollouts.rewards, rollout.group_size, std_normalize=algo.std_normalize
+        )
+        generated += len(batch)
+        zero_variance += int(groups.num_zero_variance_groups)
+        for group in range(len(batch)):
+            if kept_groups == rollout.prompts_per_step and rollout.dynamic_sampling:
+                break
+            if drop_equal and bool(groups.zero_variance[group * rollout.group_size]):
+                continue
+            kept_groups += 1
+            for row in range(group * rollout.group_size, (group + 1) * rollout.group_size):
+                sample = rollouts.samples[row]
+                # DAPO's overlong filter: a truncated response carries no loss (its reward still
+                # counted in its group's advantages).
+                if algo.overlong_filter and sample.finish_reason == "length":
+                    filtered += 1
+                    continue
+                kept_samples.append(sample)
+                kept_advantages.append(groups.advantages[row])
+        if kept_groups >= rollout.prompts_per_step:
+            break
+    metrics |= {
+        "groups/zero_variance": float(zero_variance),
+        "groups/zero_variance_frac": zero_variance / generated,
+        "samples/overlong_filtered": float(filtered),
+    }
+    if rollout.dynamic_sampling:
+        metrics |= {
+            "dynamic/groups_generated": float(generated),
+            "dynamic/groups_kept": float(kept_groups),
+            "dynamic/rounds": float(round_index + 1),
+            "dynamic/short": float(kept_groups < rollout.prompts_per_step),
+        }
+    if not kept_samples:
+        return None, metrics
+    batch = build_rollout_batch(
+        kept_samples,
+        torch.stack(kept_advantages),
+        pad_id=codec.tokenizer.pad_token_id or 0,
+        newline_token_ids=codec.newline_token_ids,
+    )
+    return batch, metrics
+
+
+def _scored_rollouts(
+    engine: RolloutEngine,
+    codec: PromptCodec,
+    problems: list[Problem],
+    verifier: Verifier,
+    *,
+    rollout: RolloutConfig,
+    algo: AlgoConfig,
+    data: DataConfig,
+    seed: int,
+) -> Rollouts:
+    """The samples of `problems` with their rewards, the overlong penalty added."""
     rollouts = collect_rollouts(
         engine,
         codec,
@@ -49,23 +133,12 @@ def rollout_step(
         reward_timeout_s=data.reward_timeout_s,
         return_routed_experts=algo.routing_replay.uses_engine_routing,
     )
-    groups = group_advantages(
-        rollouts.rewards, rollout.group_size, std_normalize=algo.std_normalize
+    if not rollout.overlong_buffer:
+        return rollouts
+    lengths = torch.tensor([len(sample.response_ids) for sample in rollouts.samples])
+    penalty = overlong_penalty(lengths, rollout.max_new_tokens, rollout.overlong_buffer)
+    return Rollouts(
+        samples=rollouts.samples,
+        rewards=rollouts.rewards + penalty,
+        metrics=rollouts.metrics | {"reward/overlong_penalty": float(penalty.mean())},
     )
-    keep = torch.ones_like(groups.zero_variance)
-    if algo.drop_zero_variance_groups:
-        keep = ~groups.zero_variance
-    metrics = rollouts.metrics | {
-        "groups/zero_variance": float(groups.num_zero_variance_groups),
-        "groups/zero_variance_frac": float(groups.num_zero_variance_groups) / len(problems),
-    }
-    rows = keep.nonzero()[:, 0].tolist()
-    if not rows:
-        return None, metrics
-    batch = build_rollout_batch(
-        [rollouts.samples[row] for row in rows],
-        groups.advantages[rows],
-        pad_id=codec.tokenizer.pad_token_id or 0,
-        newline_token_ids=codec.newline_token_ids,
-    )
-    return batch, metrics
