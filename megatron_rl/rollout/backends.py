@@ -6,6 +6,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import torch
+
 from megatron_rl.files.hf_checkpoint import HFCheckpoint
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import RolloutEngine
@@ -34,7 +36,11 @@ def open_engine(
         routed_experts: the run needs the engine's routing (R3).
     """
     if rollout.backend == "local":
-        return LocalEngine.from_pretrained(hf_path, max_batch_size=rollout.max_batch_size)
+        return LocalEngine.from_pretrained(
+            hf_path,
+            max_batch_size=rollout.max_batch_size,
+            dtype=getattr(torch, rollout.engine_dtype),
+        )
     config = rollout.sglang
     urls, managed = list(config.urls), None
     for url in urls:

@@ -28,6 +28,9 @@ class RolloutConfig:
     """Longest response in tokens."""
     max_batch_size: int = 256
     """Sequences the local engine generates at once."""
+    engine_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The local engine's weights and activations: bfloat16 makes its probabilities differ from
+    a float32 trainer's as a production engine's do (SGLang's own: rollout.sglang.dtype)."""
     sync_bucket_mb: int = 512
     """Weight sync bucket size in MiB (tensors per transfer)."""
     probe_every: int = 1

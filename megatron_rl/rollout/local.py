@@ -67,7 +67,9 @@ class LocalEngine:
     """Generates on this process from a Hugging Face causal LM (see the module docstring).
 
     Args:
-        model: a transformers causal LM (float32; put in eval mode here).
+        model: a transformers causal LM (float32 or bfloat16; put in eval mode here). Log-probs
+            are float32 whatever its dtype: the logits are upcast before the softmax, as
+            SGLang does.
         max_batch_size: sequences generated together; larger requests run in chunks.
     """
 
@@ -86,9 +88,12 @@ class LocalEngine:
         self._healthy = True
 
     @classmethod
-    def from_pretrained(cls, hf_dir: str | Path, *, max_batch_size: int = 256) -> LocalEngine:
-        """An engine on the Hugging Face checkpoint in `hf_dir` (config.json + safetensors)."""
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    def from_pretrained(
+        cls, hf_dir: str | Path, *, max_batch_size: int = 256, dtype: torch.dtype = torch.float32
+    ) -> LocalEngine:
+        """An engine on the Hugging Face checkpoint in `hf_dir` (config.json + safetensors), its
+        weights in `dtype` (synced weights are cast to it too)."""
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
         return cls(model, max_batch_size=max_batch_size)
 
     @property

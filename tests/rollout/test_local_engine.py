@@ -134,3 +134,30 @@ def test_bad_requests(engine):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+def test_a_bfloat16_engine_differs_from_float32_by_its_precision_alone(tmp_path):
+    # The production gap between engine and trainer is precision and kernels: a bfloat16 engine
+    # on the same weights gives nearby, not equal, log-probs (float32 out of upcast logits).
+    hf_dir = save_tiny("qwen3_moe", tmp_path)
+    exact = LocalEngine.from_pretrained(hf_dir)
+    low = LocalEngine.from_pretrained(hf_dir, dtype=torch.bfloat16)
+    assert {p.dtype for p in low.model.parameters()} == {torch.bfloat16}
+    sequences = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]]
+    pairs = zip(low.score(sequences), exact.score(sequences), strict=True)
+    gaps = torch.cat([a - b for a, b in pairs])
+    assert all(s.dtype == torch.float32 for s in low.score(sequences))
+    assert 1e-5 < float(gaps.abs().mean()) < 0.1
+    # synced weights are cast to the engine's dtype
+    names = low._names.targets
+    name = next(iter(names))
+    param, index = names[name]
+    update = torch.full(tuple(index.shape), 0.25)
+    low.update_weights([[(n, update if n == name else _current(low, n)) for n in names]], 1)
+    assert param.dtype == torch.bfloat16
+    assert torch.equal(param.view(-1)[index.reshape(-1)].float(), update.reshape(-1))
+
+
+def _current(engine: LocalEngine, name: str) -> torch.Tensor:
+    param, index = engine._names.targets[name]
+    return param.detach().view(-1)[index.reshape(-1)].view(index.shape).clone()
