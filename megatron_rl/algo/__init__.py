@@ -5,7 +5,7 @@ This package imports only torch, so every formula can be tested and reused witho
 
 from megatron_rl.algo.advantages import GroupAdvantages, group_advantages, overlong_penalty
 from megatron_rl.algo.aggregation import DEFAULT_LOSS_AGG, LOSS_AGG_MODES, policy_loss_denominator
-from megatron_rl.algo.kl import KL_ESTIMATORS
+from megatron_rl.algo.kl import KL_ESTIMATORS, kl_to_reference
 from megatron_rl.algo.losses import (
     POLICY_LOSSES,
     PolicyLoss,
@@ -35,6 +35,7 @@ __all__ = [
     "extreme_token_frac",
     "get_policy_loss",
     "group_advantages",
+    "kl_to_reference",
     "overlong_penalty",
     "policy_loss_denominator",
     "policy_loss_names",

@@ -97,3 +97,11 @@ def any_rank(flag: bool) -> bool:
     if _world_size() == 1:
         return flag
     return bool(host_all_reduce(torch.tensor([int(flag)]), op=dist.ReduceOp.MAX))
+
+
+def union_over_ranks(names: list[str], group: dist.ProcessGroup) -> list[str]:
+    """The sorted union of every rank's `names` in `group` (ranks that hold different sets of
+    metric keys agree on one before reducing their values)."""
+    gathered: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, names, group=group)
+    return sorted({name for part in gathered for name in part or []})

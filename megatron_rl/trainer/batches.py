@@ -36,6 +36,10 @@ class RolloutBatch:
         advantages: `[B]` per-sample advantages.
         segment_ids: `[B, S]` SSPO segment ids of the predicted tokens (-1 off the mask).
         samples: the samples, in row order (their engine routing is used for R3).
+        rewards: `[B]` the rewards the advantages came from, for advantages recomputed with
+            the KL in the reward.
+        group_size: rows [g * group_size, (g + 1) * group_size) are group g, or None when the
+            rows are not whole groups.
     """
 
     tokens: Tensor
@@ -44,6 +48,8 @@ class RolloutBatch:
     advantages: Tensor
     segment_ids: Tensor
     samples: tuple[Sample, ...]
+    rewards: Tensor
+    group_size: int | None = None
 
     @property
     def num_rows(self) -> int:
@@ -56,8 +62,13 @@ def build_rollout_batch(
     *,
     pad_id: int,
     newline_token_ids: Sequence[int],
+    rewards: Tensor | None = None,
+    trains: Sequence[bool] | None = None,
+    group_size: int | None = None,
 ) -> RolloutBatch:
-    """Pad `samples` (with their `[B]` advantages) into a RolloutBatch."""
+    """Pad `samples` (with their `[B]` advantages and rewards, zeros when not given; whole
+    groups of `group_size` rows if given) into a RolloutBatch; a sample whose `trains` entry is
+    false keeps its row but no loss token."""
     if len(samples) != advantages.numel():
         raise ValueError(f"advantages: {advantages.numel()} values for {len(samples)} samples")
     if not samples:
@@ -70,7 +81,7 @@ def build_rollout_batch(
         prompt, response = len(sample.prompt_ids), len(sample.response_ids)
         tokens[row, : prompt + response] = torch.tensor(sample.prompt_ids + sample.response_ids)
         # Position t predicts token t + 1: the response is predicted from prompt - 1 on.
-        loss_mask[row, prompt - 1 : prompt + response - 1] = True
+        loss_mask[row, prompt - 1 : prompt + response - 1] = trains is None or trains[row]
         engine_logp[row, prompt - 1 : prompt + response - 1] = sample.logprobs.float()
     predicted = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
     segments = subsentence_segment_ids(predicted, loss_mask, newline_token_ids)
@@ -81,6 +92,8 @@ def build_rollout_batch(
         advantages=advantages.to(torch.float32),
         segment_ids=segments,
         samples=tuple(samples),
+        rewards=torch.zeros(len(samples)) if rewards is None else rewards.to(torch.float32),
+        group_size=group_size,
     )
 
 
@@ -140,6 +153,7 @@ def _micro_batch(
         old_logp=batch.engine_logp[real],
         advantages=torch.where(empty, 0.0, batch.advantages[real]),
         segment_ids=torch.where(empty[:, None], -1, batch.segment_ids[real]),
+        row_ids=torch.tensor(chunk),
         routing=None
         if engine_routing is None
         else _replay_targets(batch, chunk, tokens.shape, engine_routing),

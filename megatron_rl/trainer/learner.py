@@ -7,10 +7,19 @@ import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_rl.algo import EXTREME_RATIO_TAUS, PolicyLossSpec, extreme_token_frac, get_policy_loss
+from megatron_rl.algo import (
+    EXTREME_RATIO_TAUS,
+    PolicyLossSpec,
+    extreme_token_frac,
+    get_policy_loss,
+    group_advantages,
+    kl_to_reference,
+)
 from megatron_rl.moe.drift import routing_bytes
+from megatron_rl.parallel.collectives import host_all_reduce
 from megatron_rl.parallel.stages import from_last_stage
 from megatron_rl.trainer.batches import EngineRouting, RolloutBatch, micro_batches, minibatch_rows
 from megatron_rl.trainer.metrics import StepTimer
@@ -62,6 +71,9 @@ def learn(
     if reference is not None:
         with timer.phase("ref_logprob"):
             minibatches = _with_reference(reference, minibatches)
+        if algo.kl_in_reward:
+            minibatches, kl_metrics = _with_kl_in_reward(batch, minibatches, algo)
+            metrics |= kl_metrics
     with timer.phase("train"):
         updates = [policy.update(minibatch, spec, mode) for minibatch in minibatches]
     if not needs_forward and not updates[0].skipped:
@@ -115,6 +127,52 @@ def _with_reference(
         [dataclasses.replace(micro, ref_logp=next(logprobs)) for micro in minibatch]
         for minibatch in minibatches
     ]
+
+
+def _with_kl_in_reward(
+    batch: RolloutBatch, minibatches: list[list[PolicyMicroBatch]], algo: AlgoConfig
+) -> tuple[list[list[PolicyMicroBatch]], dict[str, float]]:
+    """verl's KL in the reward: each sample's reward less algo.kl_coef times the sum over its
+    response tokens of the per-token KL estimate of the old policy to the reference; the group
+    advantages recomputed from those. On the last pipeline stage, which alone has the log-probs
+    and reads advantages; the rows are spread over the data-parallel ranks, which add up their
+    shares (each row lies in one micro-batch of one rank)."""
+    local: dict[str, float] = {}
+    if parallel_state.is_pipeline_last_stage():
+        if batch.group_size is None:
+            raise ValueError("algo.kl_in_reward: the rollout batch's rows are not whole groups")
+        kl_rows = torch.zeros(batch.num_rows, dtype=torch.float64)
+        every_micro_batch = [micro for minibatch in minibatches for micro in minibatch]
+        for micro in every_micro_batch:
+            kl = kl_to_reference(
+                micro.old_logp, micro.ref_logp, micro.loss_mask, algo.kl_estimator
+            ).sum(dim=1)
+            real = micro.row_ids >= 0
+            kl_rows.index_add_(0, micro.row_ids[real], kl[real].double())
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if dist.get_world_size(group) > 1:
+            kl_rows = host_all_reduce(kl_rows, group=group)
+        shaped = batch.rewards.double() - algo.kl_coef * kl_rows
+        advantages = group_advantages(
+            shaped, batch.group_size, std_normalize=algo.std_normalize
+        ).advantages.to(torch.float32)
+        minibatches = [
+            [
+                dataclasses.replace(
+                    micro,
+                    advantages=torch.where(
+                        micro.row_ids < 0, 0.0, advantages[micro.row_ids.clamp(min=0)]
+                    ),
+                )
+                for micro in minibatch
+            ]
+            for minibatch in minibatches
+        ]
+        local = {
+            "kl/reward_ref": float(kl_rows.mean()),
+            "reward/kl_penalty": float(-algo.kl_coef * kl_rows.mean()),
+        }
+    return minibatches, from_last_stage(local)
 
 
 def _update_metrics(updates: list[UpdateResult]) -> dict[str, float]:

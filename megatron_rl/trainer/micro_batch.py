@@ -31,6 +31,7 @@ class PolicyMicroBatch:
             old log-probs for a mismatch correction; or None.
         ref_logp: like tokens, the frozen reference policy's log-prob of it (KL penalty), or
             None.
+        row_ids: `[b]` the rollout batch's row of each row (-1: an empty filler row), or None.
         advantages: `[b]` (or `[N]`) per-sequence advantages; per-token ones like tokens.
         segment_ids: like tokens, SSPO segment ids within each sequence, or None.
         old_entropy: like tokens, old-policy entropy, or None.
@@ -52,6 +53,7 @@ class PolicyMicroBatch:
     routing: list[Tensor] | None = None
     engine_logp: Tensor | None = None
     ref_logp: Tensor | None = None
+    row_ids: Tensor | None = None
 
     def to(self, device: torch.device) -> PolicyMicroBatch:
         """This micro-batch with every tensor on `device`; itself when they are already there."""

@@ -3,6 +3,7 @@ checkpoint, megatron-core's DDP, optimizer and learning-rate scheduler, and rout
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -20,7 +21,7 @@ from megatron_rl.models.hf_weights import HFWeightStream, load_hf_weights, strea
 from megatron_rl.moe.drift import routing_drift
 from megatron_rl.moe.replay import ObservedRouting, RoutingReplay
 from megatron_rl.moe.replay_mode import RoutingReplayMode
-from megatron_rl.parallel.collectives import host_all_reduce
+from megatron_rl.parallel.collectives import host_all_reduce, union_over_ranks
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.stages import from_last_stage, join_stages
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
@@ -232,25 +233,31 @@ def _replay_drift(
 
 
 def _average_metrics(per_micro_batch: list[dict[str, Tensor]]) -> dict[str, float]:
-    """Loss metrics over micro-batches and data-parallel ranks; empty off the last stage."""
-    keys = sorted(
-        k for k in (per_micro_batch[0] if per_micro_batch else {}) if k not in _NOT_AVERAGED
-    )
+    """Loss metrics over micro-batches and data-parallel ranks (a micro-batch without loss
+    tokens has none and counts for none); empty off the last stage. Every rank of the group
+    must know the keys: they are those of the loss, whichever micro-batch has them."""
+    keys = sorted({k for m in per_micro_batch for k in m if k not in _NOT_AVERAGED})
+    if not parallel_state.is_pipeline_last_stage():
+        return {}
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        keys = union_over_ranks(keys, group)
     if not keys:
         return {}
+    measured = [m for m in per_micro_batch if any(key in m for key in keys)]
     values = torch.tensor(
-        [[float(m[key]) for key in keys] for m in per_micro_batch], dtype=torch.float64
+        [[float(m[key]) for key in keys] for m in measured] or [[0.0] * len(keys)],
+        dtype=torch.float64,
     )
     finite = torch.nan_to_num(values, nan=0.0)
     totals = torch.stack(
         [
             finite.sum(0),
-            finite.max(0).values,
-            finite.min(0).values,
-            torch.full((len(keys),), float(len(per_micro_batch)), dtype=torch.float64),
+            finite.max(0).values if measured else torch.full((len(keys),), -math.inf),
+            finite.min(0).values if measured else torch.full((len(keys),), math.inf),
+            torch.full((len(keys),), float(len(measured)), dtype=torch.float64),
         ]
     )
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) > 1:
         totals[[0, 3]] = host_all_reduce(totals[[0, 3]], group=group)
         totals[1] = host_all_reduce(totals[1], op=dist.ReduceOp.MAX, group=group)

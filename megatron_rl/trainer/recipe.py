@@ -75,6 +75,9 @@ class AlgoConfig:
     > 0): this times the aggregated per-token estimate is subtracted from the objective."""
     kl_estimator: str = "k3"
     """The per-token KL estimator: k1, k2 or k3 (docs/algorithms.md, KL penalty)."""
+    kl_in_reward: bool = False
+    """Subtract kl_coef times each sample's summed per-token KL (old policy to reference) from
+    its reward before the group advantages, instead of penalising the loss."""
     std_normalize: bool = True
     """Divide group advantages by the group's std (GRPO); false: Dr. GRPO's mean-centring only."""
     drop_zero_variance_groups: bool = False
@@ -156,6 +159,8 @@ class AlgoConfig:
         for name in ("entropy_coef", "kl_coef"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"algo.{name}: expected >= 0, got {getattr(self, name)}")
+        if self.kl_in_reward and self.kl_coef <= 0:
+            raise ConfigError("algo.kl_in_reward: needs algo.kl_coef > 0 (the penalty's weight)")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(
                 f"algo.kl_estimator: unknown estimator {self.kl_estimator!r}; valid: "
@@ -179,7 +184,8 @@ class AlgoConfig:
                 "check_finite": False,
                 "mismatch": self.correction(),
                 "entropy_coef": self.entropy_coef,
-                "kl_coef": self.kl_coef,
+                # In the reward instead, the loss has no KL term.
+                "kl_coef": 0.0 if self.kl_in_reward else self.kl_coef,
                 "kl_estimator": self.kl_estimator,
             }
             | self._dual_clip_option()

@@ -45,7 +45,7 @@ def rollout_step(
     problems) and what was kept."""
     rounds = rollout.max_generation_rounds if rollout.dynamic_sampling else 1
     drop_equal = algo.drop_zero_variance_groups or rollout.dynamic_sampling
-    kept_samples, kept_advantages, metrics = [], [], {}
+    kept_samples, kept_advantages, kept_rewards, trains, metrics = [], [], [], [], {}
     generated = kept_groups = zero_variance = filtered = 0
     for round_index in range(rounds):
         batch = (
@@ -78,13 +78,14 @@ def rollout_step(
             kept_groups += 1
             for row in range(group * rollout.group_size, (group + 1) * rollout.group_size):
                 sample = rollouts.samples[row]
-                # DAPO's overlong filter: a truncated response carries no loss (its reward still
-                # counted in its group's advantages).
-                if algo.overlong_filter and sample.finish_reason == "length":
-                    filtered += 1
-                    continue
+                # DAPO's overlong filter: a truncated response carries no loss (its row and its
+                # reward stay: the group's advantages count it).
+                overlong = algo.overlong_filter and sample.finish_reason == "length"
+                filtered += overlong
                 kept_samples.append(sample)
                 kept_advantages.append(groups.advantages[row])
+                kept_rewards.append(rollouts.rewards[row])
+                trains.append(not overlong)
         if kept_groups >= rollout.prompts_per_step:
             break
     metrics |= {
@@ -99,13 +100,16 @@ def rollout_step(
             "dynamic/rounds": float(round_index + 1),
             "dynamic/short": float(kept_groups < rollout.prompts_per_step),
         }
-    if not kept_samples:
+    if not any(trains):
         return None, metrics
     batch = build_rollout_batch(
         kept_samples,
         torch.stack(kept_advantages),
         pad_id=codec.tokenizer.pad_token_id or 0,
         newline_token_ids=codec.newline_token_ids,
+        rewards=torch.stack(kept_rewards),
+        trains=trains,
+        group_size=rollout.group_size,
     )
     return batch, metrics
 

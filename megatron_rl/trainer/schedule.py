@@ -48,6 +48,11 @@ def policy_loss_func(
         group=parallel_state.get_tensor_model_parallel_group(),
     )
     rows = micro_batch.as_rows(token.logp, token.entropy)
+    if not bool(rows.loss_mask.any()):
+        # Only rows without a loss token (filler rows, empty or overlong-filtered responses):
+        # nothing to add, a zero that keeps the graph, and no metrics to average in.
+        zero = (token.logp * 0.0).sum()
+        return zero, torch.zeros((), dtype=torch.int), {"loss/sum": zero.detach()}
     options = {key: value for key, value in spec.options.items() if key != "loss_denominator"}
     loss_sum, metrics = compute_policy_loss(
         spec.name,
