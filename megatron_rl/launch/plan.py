@@ -227,7 +227,9 @@ def rank_memory(
         logits=logits,
         routing_record=record,
         engine=engine_bytes,
-        reference=params.total * a if recipe.algo.kl_coef > 0 else 0,
+        reference=params.total * a
+        if recipe.algo.kl_coef > 0 and not recipe.algo.ref_offload
+        else 0,
     )
 
 

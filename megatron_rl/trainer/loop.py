@@ -129,7 +129,9 @@ class Trainer:
             codec.encode_prompt(problem.prompt, origin=problem.origin)
         policy = Policy(recipe.model, dims, recipe.optim)
         # The starting weights, frozen: on resume too, model.hf_path is where the run started.
-        reference = ReferencePolicy(recipe.model, dims) if recipe.algo.kl_coef > 0 else None
+        reference = None
+        if recipe.algo.kl_coef > 0:
+            reference = ReferencePolicy(recipe.model, dims, offload=recipe.algo.ref_offload)
         engine = None
         if dist.get_rank() == 0:
             engine = open_engine(

@@ -75,6 +75,9 @@ class AlgoConfig:
     > 0): this times the aggregated per-token estimate is subtracted from the objective."""
     kl_estimator: str = "k3"
     """The per-token KL estimator: k1, k2 or k3 (docs/algorithms.md, KL penalty)."""
+    ref_offload: bool = False
+    """Keep the reference policy in host memory between its forwards (on a GPU: its weights'
+    device memory saved, two host-device copies per step paid; on the CPU nothing changes)."""
     kl_in_reward: bool = False
     """Subtract kl_coef times each sample's summed per-token KL (old policy to reference) from
     its reward before the group advantages, instead of penalising the loss."""

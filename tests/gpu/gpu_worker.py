@@ -52,3 +52,31 @@ def bf16_step(launch: LaunchEnv) -> dict:
         "changed": changed,
         "distributed_optimizer": model.ddp_config.use_distributed_optimizer,
     }
+
+
+def reference_offload(launch: LaunchEnv, hf_dir: str) -> dict:
+    """The reference policy kept in host memory between forwards gives the log-probs of the one
+    kept on the GPU, and is back on the host after each forward."""
+    from megatron_rl.models.config import ModelConfig
+    from megatron_rl.trainer.reference import ReferencePolicy
+
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, launch)
+    on_gpu = ReferencePolicy(ModelConfig(hf_path=hf_dir), dims)
+    offloaded = ReferencePolicy(ModelConfig(hf_path=hf_dir), dims, offload=True)
+    devices_before = {p.device.type for p in offloaded.model.parameters()}
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 16, (2, 24), generator=gen)
+    mask = torch.zeros(2, 24, dtype=torch.bool)
+    mask[:, 4:23] = True
+    batch = PolicyMicroBatch(
+        tokens=tokens, loss_mask=mask, old_logp=torch.zeros(2, 24), advantages=torch.zeros(2)
+    )
+    (expected,) = on_gpu.logprobs([batch])
+    (got,) = offloaded.logprobs([batch])
+    return {
+        "devices_before": sorted(devices_before),
+        "devices_after": sorted({p.device.type for p in offloaded.model.parameters()}),
+        "gpu_device": next(on_gpu.model.parameters()).device.type,
+        "max_difference": float((expected - got).abs().max()),
+    }

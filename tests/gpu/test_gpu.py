@@ -62,3 +62,10 @@ def test_bf16_training_checkpoint_on_cuda(tmp_path):
     assert "torch.bfloat16" in result["dtypes"]
     assert result["weights_differ"] == result["optimizer_differ"] == []
     assert result["next_step_differs"] == []
+
+
+def test_the_reference_policy_offloaded_to_the_host_gives_the_same_logprobs():
+    (report,) = run_on_ranks(gpu_worker.reference_offload, str(TINY_MODEL), world_size=1)
+    assert report["gpu_device"] == "cuda"
+    assert report["devices_before"] == report["devices_after"] == ["cpu"]
+    assert report["max_difference"] == 0.0

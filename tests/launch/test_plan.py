@@ -100,6 +100,8 @@ def test_memory_relations():
     penalised = _plan(["algo.kl_coef=0.001"], nodes=2, rollout_nodes=1).stages[0]
     assert penalised.reference == stage.weights
     assert penalised.total == stage.total + stage.weights
+    offloaded = ["algo.kl_coef=0.001", "algo.ref_offload=true"]
+    assert _plan(offloaded, nodes=2, rollout_nodes=1).stages[0].reference == 0  # in host memory
     # activations: linear in the micro-batch; recompute keeps less
     double = _plan(["run.micro_batch_size=8"], nodes=2, rollout_nodes=1).stages[1]
     assert double.activations == pytest.approx(2 * plan.stages[1].activations, rel=0.01)
