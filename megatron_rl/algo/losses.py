@@ -494,7 +494,9 @@ def compute_policy_loss(
         metrics |= mismatch_metrics(corrected, batch.mask, correction.mode)
     surrogate = (objective_weights * result.objective).sum()
     if batch.entropy is not None:
-        bonus = entropy_coef * (agg.token_weights * batch.entropy).sum()
+        # padding may hold anything (NaN too): 0 * NaN would reach the sum
+        entropy_on_mask = torch.where(batch.mask, batch.entropy, torch.zeros_like(batch.entropy))
+        bonus = entropy_coef * (agg.token_weights * entropy_on_mask).sum()
         surrogate = surrogate + bonus
         metrics["loss/entropy_bonus"] = bonus.detach() / denominator
     if batch.ref_logp is not None:

@@ -148,9 +148,9 @@ def test_cispo_has_no_dual_clip_its_weight_is_already_bounded():
 def test_entropy_bonus_adds_the_aggregated_entropy_and_its_gradient(loss_agg):
     batch = random_batch(6, 9, seed=8, drift=0.1)
     gen = torch.Generator().manual_seed(3)
-    entropy = (
-        torch.rand(batch.mask.shape, generator=gen, dtype=torch.float64) * 2
-    ).requires_grad_()
+    entropy = torch.rand(batch.mask.shape, generator=gen, dtype=torch.float64) * 2
+    # padding holds NaN, as the other inputs' padding does
+    entropy = torch.where(batch.mask, entropy, float("nan")).requires_grad_()
     coef = 0.01
     logp = fresh_logp(batch)
     loss, metrics = _loss(
@@ -174,6 +174,7 @@ def test_entropy_bonus_adds_the_aggregated_entropy_and_its_gradient(loss_agg):
     torch.testing.assert_close(entropy.grad, -bonus_ref_entropy.grad, rtol=1e-12, atol=1e-14)
     assert float(metrics["loss/entropy_bonus"]) == pytest.approx(float(bonus.detach()))
     assert float(entropy.grad[~batch.mask].abs().sum()) == 0.0
+    assert torch.isfinite(loss.detach())
 
 
 def test_an_entropy_bonus_needs_the_entropy():
