@@ -48,7 +48,7 @@ def rollout_step(
     kept_samples, kept_advantages, kept_rewards, trains, metrics = [], [], [], [], {}
     generated = kept_groups = zero_variance = filtered = 0
     for round_index in range(rounds):
-        batch = (
+        round_problems = (
             problems.train_batch(step)
             if round_index == 0
             else problems.extra_batch(step, round_index)
@@ -56,7 +56,7 @@ def rollout_step(
         rollouts = _scored_rollouts(
             engine,
             codec,
-            batch,
+            round_problems,
             verifier,
             rollout=rollout,
             algo=algo,
@@ -68,9 +68,9 @@ def rollout_step(
         groups = group_advantages(
             rollouts.rewards, rollout.group_size, std_normalize=algo.std_normalize
         )
-        generated += len(batch)
+        generated += len(round_problems)
         zero_variance += int(groups.num_zero_variance_groups)
-        for group in range(len(batch)):
+        for group in range(len(round_problems)):
             if kept_groups == rollout.prompts_per_step and rollout.dynamic_sampling:
                 break
             if drop_equal and bool(groups.zero_variance[group * rollout.group_size]):
