@@ -441,7 +441,9 @@ def compute_policy_loss(
         or 1/tau), `loss/denominator`, with a correction `mismatch/weight_{mean,max}` and
         `mismatch/{truncated,masked}_{token,seq}_frac`, with an entropy bonus
         `loss/entropy_bonus`, with a KL penalty `kl/ref` (the aggregated estimate) and
-        `loss/kl_penalty`, and loss-specific ones (sspo: `clip_frac/segment`,
+        `loss/kl_penalty` (these two and the bonus over this batch's own denominator, not
+        `loss_denominator`, so that they read alike however a batch is split), and
+        loss-specific ones (sspo: `clip_frac/segment`,
         `segments/per_seq`).
     """
     spec = get_policy_loss(name)
@@ -498,12 +500,12 @@ def compute_policy_loss(
         entropy_on_mask = torch.where(batch.mask, batch.entropy, torch.zeros_like(batch.entropy))
         bonus = entropy_coef * (agg.token_weights * entropy_on_mask).sum()
         surrogate = surrogate + bonus
-        metrics["loss/entropy_bonus"] = bonus.detach() / denominator
+        metrics["loss/entropy_bonus"] = bonus.detach() / agg.denominator
     if batch.ref_logp is not None:
         kl = kl_to_reference(batch.logp, batch.ref_logp, batch.mask, opts["kl_estimator"])
         kl_sum = (agg.token_weights * kl).sum()
         surrogate = surrogate - kl_coef * kl_sum
-        metrics["kl/ref"] = kl_sum.detach() / denominator
+        metrics["kl/ref"] = kl_sum.detach() / agg.denominator
         metrics["loss/kl_penalty"] = kl_coef * metrics["kl/ref"]
     loss = -surrogate / denominator
     metrics |= _metrics(batch, result)

@@ -241,3 +241,16 @@ def test_kl_penalty_needs_the_reference_and_a_known_estimator():
         _loss("gspo", batch.logp, batch, ref_logp=batch.old_logp, kl_coef=0.1, kl_estimator="k4")
     with pytest.raises(ValueError, match=r"kl_coef: expected a finite, non-negative number"):
         _loss("gspo", batch.logp, batch, ref_logp=batch.old_logp, kl_coef=-1.0)
+
+
+def test_the_penalty_and_bonus_metrics_use_the_batchs_own_denominator():
+    # a trainer passes a global denominator (megatron-core divides by it later); the metrics
+    # must still read as this batch's aggregated KL and bonus
+    batch = random_batch(6, 9, seed=2, drift=0.1)
+    entropy = torch.where(batch.mask, 0.5, float("nan")).to(torch.float64)
+    terms = {"ref_logp": batch.old_logp, "kl_coef": 0.1, "entropy": entropy, "entropy_coef": 0.1}
+    _, own = _loss("gspo", fresh_logp(batch), batch, **terms)
+    _, global_d = _loss("gspo", fresh_logp(batch), batch, loss_denominator=1, **terms)
+    for key in ("kl/ref", "loss/kl_penalty", "loss/entropy_bonus"):
+        assert float(global_d[key]) == pytest.approx(float(own[key])), key
+    assert float(own["loss/entropy_bonus"]) == pytest.approx(0.05)
