@@ -36,6 +36,20 @@ def _engine_logp(batch, noise: float, seed: int = 11):
     return torch.where(batch.mask, noisy, torch.full_like(noisy, float("nan")))
 
 
+def _gspo(batch, **options):
+    """GSPO with a wide clip range on `batch`'s current log-probs."""
+    return compute_policy_loss(
+        "gspo",
+        batch.logp,
+        batch.old_logp,
+        batch.advantages,
+        batch.mask,
+        clip_low=0.1,
+        clip_high=0.1,
+        **options,
+    )
+
+
 def reference_weights(old_logp, engine_logp, mask, mode, level, lower, upper):
     """rho = pi_old / pi_engine per token, or the product over the row (sequence), or its
     geometric mean; TIS min(rho, C); MIS and IcePop rho inside [lower, upper], else 0. Returns
@@ -123,14 +137,8 @@ def test_truncation_counts_what_the_cap_cut():
     batch = random_batch(6, 8, seed=2)
     engine = _engine_logp(batch, noise=0.3)
     correction = MismatchCorrection.of("tis", upper=1.2)
-    _, metrics = compute_policy_loss(
-        "gspo",
-        batch.logp,
-        batch.old_logp,
-        batch.advantages,
-        batch.mask,
-        clip_low=0.1,
-        clip_high=0.1,
+    _, metrics = _gspo(
+        batch,
         engine_logp=engine,
         mismatch=correction,
     )
@@ -236,39 +244,21 @@ def test_bad_corrections_are_refused_by_name(mode, kwargs, message):
 def test_a_correction_without_the_engine_logprobs_is_refused():
     batch = random_batch(4, 6, seed=1)
     with pytest.raises(ValueError, match=r"engine_logp: the mismatch correction 'tis'"):
-        compute_policy_loss(
-            "gspo",
-            batch.logp,
-            batch.old_logp,
-            batch.advantages,
-            batch.mask,
-            clip_low=0.1,
-            clip_high=0.1,
+        _gspo(
+            batch,
             mismatch=MismatchCorrection.of("tis"),
         )
     with pytest.raises(ValueError, match=r"mismatch: expected None or a MismatchCorrection"):
-        compute_policy_loss(
-            "gspo",
-            batch.logp,
-            batch.old_logp,
-            batch.advantages,
-            batch.mask,
-            clip_low=0.1,
-            clip_high=0.1,
+        _gspo(
+            batch,
             engine_logp=batch.old_logp,
             mismatch="tis",
         )
     engine = batch.old_logp.clone()
     engine[tuple(batch.mask.nonzero()[0].tolist())] = float("inf")
     with pytest.raises(ValueError, match=r"engine_logp: 1 non-finite value"):
-        compute_policy_loss(
-            "gspo",
-            batch.logp,
-            batch.old_logp,
-            batch.advantages,
-            batch.mask,
-            clip_low=0.1,
-            clip_high=0.1,
+        _gspo(
+            batch,
             engine_logp=engine,
             mismatch=MismatchCorrection.of("tis"),
         )
