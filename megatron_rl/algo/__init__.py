@@ -14,7 +14,12 @@ from megatron_rl.algo.losses import (
     get_policy_loss,
     policy_loss_names,
 )
-from megatron_rl.algo.mismatch import MISMATCH_CORRECTIONS, MISMATCH_LEVELS, MismatchCorrection
+from megatron_rl.algo.mismatch import (
+    MISMATCH_CORRECTIONS,
+    MISMATCH_LEVELS,
+    MismatchCorrection,
+    engine_gap_metrics,
+)
 from megatron_rl.algo.ratios import EXTREME_RATIO_TAUS, LOG_RATIO_CLAMP, extreme_token_frac
 from megatron_rl.algo.segments import subsentence_segment_ids
 
@@ -32,6 +37,7 @@ __all__ = [
     "PolicyLoss",
     "PolicyLossSpec",
     "compute_policy_loss",
+    "engine_gap_metrics",
     "extreme_token_frac",
     "get_policy_loss",
     "group_advantages",

@@ -32,7 +32,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from megatron_rl.algo.ratios import ShardSum, sequence_mean, token_log_ratio, whole_sequences
+from megatron_rl.algo.ratios import (
+    EXTREME_RATIO_TAUS,
+    ShardSum,
+    extreme_token_frac,
+    sequence_mean,
+    token_log_ratio,
+    whole_sequences,
+)
 
 MISMATCH_LEVELS = ("token", "sequence", "geometric")
 
@@ -167,4 +174,23 @@ def mismatch_metrics(corrected: MismatchWeights, mask: Tensor, mode: str) -> dic
         f"mismatch/{what}_token_frac": corrected.changed.sum() / num_tokens,
         f"mismatch/{what}_seq_frac": (corrected.changed.any(dim=1) & has_tokens).sum()
         / has_tokens.sum(),
+    }
+
+
+@torch.no_grad()
+def engine_gap_metrics(
+    trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor
+) -> dict[str, Tensor]:
+    """How far the engine's log-probs are from the trainer's for the same tokens, over response
+    tokens (all `[B, T]`, or flat `[N]`), in float64: `mismatch/k3` (the k3 estimate of
+    KL(engine || trainer)), `mismatch/abs_max` (the largest |log-ratio|) and
+    `mismatch/frac_tau{tau}` (F(tau) of EXTREME_RATIO_TAUS)."""
+    delta = (trainer_logp.double() - engine_logp.double())[mask]
+    everywhere = torch.ones_like(delta, dtype=torch.bool)
+    return {
+        "mismatch/k3": (torch.expm1(delta) - delta).mean(),
+        "mismatch/abs_max": delta.abs().max(),
+    } | {
+        f"mismatch/frac_tau{tau}": extreme_token_frac(delta, everywhere, tau)
+        for tau in EXTREME_RATIO_TAUS
     }

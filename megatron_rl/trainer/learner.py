@@ -13,8 +13,7 @@ from megatron.core import parallel_state
 from megatron_rl.algo import (
     EXTREME_RATIO_TAUS,
     PolicyLossSpec,
-    extreme_token_frac,
-    get_policy_loss,
+    engine_gap_metrics,
     group_advantages,
     kl_to_reference,
 )
@@ -61,13 +60,18 @@ def learn(
         for chunk in rows
     ]
     metrics: dict[str, float] = {}
-    # The engine's log-probs stand in for the old policy's unless the trainer computes them;
-    # a loss that needs the old policy's entropy (SSPO) needs the trainer's forward anyway.
-    needs_forward = not algo.uses_engine_logprobs or get_policy_loss(algo.loss).needs_old_entropy
-    with timer.phase("old_logprob"):
-        if needs_forward:
+    forward = algo.runs_old_policy_forward
+    if forward:
+        with timer.phase("old_logprob"):
             minibatches, old_metrics = _with_old_policy(policy, minibatches, algo)
-            metrics |= old_metrics
+        metrics |= old_metrics
+    elif algo.old_policy_is_current:
+        # The update's forward (detached) gives the old log-probs; the engine's ride beside
+        # them (the mismatch metrics, a correction).
+        minibatches = [
+            [dataclasses.replace(micro, old_logp=None, engine_logp=micro.old_logp) for micro in mb]
+            for mb in minibatches
+        ]
     if reference is not None:
         with timer.phase("ref_logprob"):
             minibatches = _with_reference(reference, minibatches)
@@ -76,7 +80,7 @@ def learn(
             metrics |= kl_metrics
     with timer.phase("train"):
         updates = [policy.update(minibatch, spec, mode) for minibatch in minibatches]
-    if not needs_forward and not updates[0].skipped:
+    if algo.uses_engine_logprobs and not forward and not updates[0].skipped:
         metrics |= _mismatch_from_first_update(updates[0])
     if mode.uses_engine_routing and not updates[0].skipped:
         metrics |= _engine_routing_mismatch(updates[0])
@@ -195,26 +199,17 @@ def _update_metrics(updates: list[UpdateResult]) -> dict[str, float]:
 def _old_policy_metrics(
     every_micro_batch: list[PolicyMicroBatch], computed: list[OldPolicy]
 ) -> dict[str, float]:
-    """Entropy of the old policy and the engine/trainer mismatch (k3 KL(engine || trainer), the
-    largest |log-ratio| and F(tau), the share of tokens whose probabilities differ by more than
-    tau times), over response tokens (this rank's share; equal shares make it representative).
-    The micro-batches still carry the engine's log-probs as `old_logp`."""
+    """Entropy of the old policy and the engine/trainer mismatch (engine_gap_metrics), over
+    response tokens (this rank's share; equal shares make it representative). The micro-batches
+    still carry the engine's log-probs as `old_logp`."""
     masks = torch.cat([m.loss_mask.flatten() for m in every_micro_batch])
     if masks.sum() == 0 or computed[0].entropy is None:
         return {}
     entropy = torch.cat([values.entropy.flatten() for values in computed])[masks]
-    trainer = torch.cat([values.logp.flatten() for values in computed])[masks].double()
-    engine = torch.cat([m.old_logp.flatten() for m in every_micro_batch])[masks].double()
-    delta = trainer - engine
-    everywhere = torch.ones_like(delta, dtype=torch.bool)
-    return {
-        "entropy/mean": float(entropy.mean()),
-        "mismatch/k3": float((torch.expm1(delta) - delta).mean()),
-        "mismatch/abs_max": float(delta.abs().max()),
-    } | {
-        f"mismatch/frac_tau{tau}": float(extreme_token_frac(delta, everywhere, tau))
-        for tau in EXTREME_RATIO_TAUS
-    }
+    trainer = torch.cat([values.logp.flatten() for values in computed])
+    engine = torch.cat([m.old_logp.flatten() for m in every_micro_batch])
+    gap = engine_gap_metrics(trainer, engine, masks)
+    return {"entropy/mean": float(entropy.mean())} | {key: float(v) for key, v in gap.items()}
 
 
 def _mismatch_from_first_update(first: UpdateResult) -> dict[str, float]:

@@ -26,7 +26,9 @@ class PolicyMicroBatch:
     Attributes:
         tokens: `[b, S]` (or `[1, total]`) prompt + response token ids (padding: any valid id).
         loss_mask: like tokens, bool, true where the predicted token is a response token.
-        old_logp: like tokens, old-policy log-prob of the predicted token.
+        old_logp: like tokens, old-policy log-prob of the predicted token; None when the old
+            policy's weights are the current ones (one update per rollout batch): the
+            update's own forward, detached, stands in for it (and for `old_entropy`).
         engine_logp: like tokens, the rollout engine's log-prob of it, kept beside the trainer's
             old log-probs for a mismatch correction; or None.
         ref_logp: like tokens, the frozen reference policy's log-prob of it (KL penalty), or
@@ -45,7 +47,7 @@ class PolicyMicroBatch:
 
     tokens: Tensor
     loss_mask: Tensor
-    old_logp: Tensor
+    old_logp: Tensor | None
     advantages: Tensor
     segment_ids: Tensor | None = None
     old_entropy: Tensor | None = None
@@ -98,14 +100,15 @@ class PolicyMicroBatch:
         """The loss's per-token tensors (`logp` and `entropy` are the current policy's, like
         tokens) as `[rows, length]`: unchanged when padded, unpacked into one row per sequence
         when packed."""
+        old_is_current = self.old_logp is None
         rows = LossRows(
             logp,
             entropy,
-            self.old_logp,
+            logp.detach() if old_is_current else self.old_logp,
             self.engine_logp,
             self.loss_mask,
             self.segment_ids,
-            self.old_entropy,
+            entropy.detach() if old_is_current else self.old_entropy,
             self.ref_logp,
         )
         if self.cu_seqlens is None:

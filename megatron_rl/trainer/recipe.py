@@ -99,6 +99,29 @@ class AlgoConfig:
         """The engine's log-probs stand in for the old policy's (no trainer forward for them)."""
         return self.mismatch == "bypass"
 
+    @property
+    def old_policy_is_current(self) -> bool:
+        """One update per rollout batch: the old policy's weights are the ones the update
+        starts from, so the update's own forward (detached) gives the old log-probs and no
+        separate old-policy forward runs. Not under bypass (the engine's are the old ones), R2
+        (the old-policy forward records the routing the update replays) or the KL in the reward
+        (it needs the old log-probs before the update)."""
+        return (
+            self.updates_per_batch == 1
+            and not self.uses_engine_logprobs
+            and not self.routing_replay.needs_old_policy_forward
+            and not self.kl_in_reward
+        )
+
+    @property
+    def runs_old_policy_forward(self) -> bool:
+        """The trainer runs the old policy's forward before the updates: not when the old
+        policy is the current weights, nor under bypass unless the loss needs the old policy's
+        entropy (SSPO does)."""
+        if self.old_policy_is_current:
+            return False
+        return not self.uses_engine_logprobs or get_policy_loss(self.loss).needs_old_entropy
+
     def correction(self) -> MismatchCorrection | None:
         """The mismatch correction the loss applies (tis, mis, icepop), or None."""
         if self.mismatch not in MISMATCH_CORRECTIONS:

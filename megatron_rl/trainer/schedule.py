@@ -26,6 +26,7 @@ from megatron_rl.algo import (
     DEFAULT_LOSS_AGG,
     PolicyLossSpec,
     compute_policy_loss,
+    engine_gap_metrics,
     policy_loss_denominator,
 )
 from megatron_rl.moe.replay import RoutingReplay
@@ -72,6 +73,10 @@ def policy_loss_func(
     )
     entropy_sum = torch.where(micro_batch.loss_mask, token.entropy.detach(), 0.0).sum()
     metrics = metrics | {"loss/sum": loss_sum.detach(), "entropy/sum": entropy_sum}
+    if micro_batch.old_logp is None and rows.engine_logp is not None:
+        # The old policy is this forward: what the old-policy pass would have reported.
+        metrics |= engine_gap_metrics(rows.old_logp, rows.engine_logp, rows.loss_mask)
+        metrics["entropy/mean"] = rows.old_entropy[rows.loss_mask].mean()
     return loss_sum, _denominator(rows.loss_mask, spec).round().to(torch.int), metrics
 
 

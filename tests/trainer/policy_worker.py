@@ -11,7 +11,12 @@ import torch
 from megatron.core import parallel_state
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.algo import PolicyLossSpec, group_advantages
+from megatron_rl.algo import (
+    MismatchCorrection,
+    PolicyLossSpec,
+    engine_gap_metrics,
+    group_advantages,
+)
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.moe.replay_mode import RoutingReplayMode
 from megatron_rl.parallel.dims import ParallelDims
@@ -161,6 +166,59 @@ def weight_sync(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]) -> dict[
         result["after_sync"] = float((logp - fresh).abs().max())
         result["version"] = engine.weight_version
     return result
+
+
+def old_policy_is_current(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]) -> dict:
+    """One update on the same rollouts by two copies of the policy: with the old log-probs of an
+    old-policy forward, and with none (`old_logp=None`: the update's own forward, detached).
+    Returns both updates' losses, gradient norms and largest weight difference after the step,
+    and the skipping update's mismatch metrics beside those of the forward (engine beside)."""
+    dims = ParallelDims(world_size=launch.world_size, **layout)
+    init_distributed(dims, launch, seed=5)
+    config = ModelConfig(hf_path=hf_dir)
+    with_forward, without = (Policy(config, dims, OptimConfig(lr=1e-3)) for _ in range(2))
+    engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
+    batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
+    share = micro_batches(
+        batch,
+        list(range(batch.num_rows)),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=with_forward.dims.dp,
+        micro_batch_size=2,
+    )
+    mode, correction = RoutingReplayMode.NONE, MismatchCorrection.of("tis")
+    spec = PolicyLossSpec("gspo", 3e-4, 4e-4, options={"mismatch": correction})
+    start = [weight.detach().clone() for weight in main_weights(without.optimizer)]
+    computed = with_forward.old_policy(share, mode)
+    forward = with_forward.update(
+        [
+            replace(micro, old_logp=old.logp, engine_logp=micro.old_logp)
+            for micro, old in zip(share, computed, strict=True)
+        ],
+        spec,
+        mode,
+    )
+    skipped = without.update(
+        [replace(micro, old_logp=None, engine_logp=micro.old_logp) for micro in share],
+        spec,
+        mode,
+    )
+    gap = {}
+    if parallel_state.is_pipeline_last_stage():
+        trainer = torch.cat([old.logp.flatten() for old in computed])
+        engine_logp = torch.cat([micro.old_logp.flatten() for micro in share])
+        mask = torch.cat([micro.loss_mask.flatten() for micro in share])
+        gap = {k: float(v) for k, v in engine_gap_metrics(trainer, engine_logp, mask).items()}
+    after = main_weights(without.optimizer)
+    pairs = zip(main_weights(with_forward.optimizer), after, strict=True)
+    return {
+        "loss": (forward.loss, skipped.loss),
+        "grad_norm": (forward.grad_norm, skipped.grad_norm),
+        "weight_diff": max(float((a - b).abs().max()) for a, b in pairs),
+        "moved": max(float((a - b).abs().max()) for a, b in zip(after, start, strict=True)),
+        "metrics": skipped.metrics,
+        "gap": from_last_stage(gap),
+    }
 
 
 SAVED_AFTER_UPDATES = 3

@@ -41,6 +41,29 @@ def test_the_sync_probe_passes_after_each_sync_and_stops_every_rank_on_lost_upda
 
 
 @pytest.mark.parametrize(
+    ("world_size", "layout"), [(1, {}), (2, {"pp": 2})], ids=["one_rank", "pp2"]
+)
+def test_one_update_needs_no_old_policy_forward(world_size, layout):
+    # With one update per batch the old policy's weights are the current ones: the update's
+    # own forward, detached, gives the same step as the old log-probs of a separate forward.
+    result = run_on_ranks(
+        policy_worker.old_policy_is_current, TINY_MODEL, layout, world_size=world_size
+    )[0]
+    losses, grad_norms = result["loss"], result["grad_norm"]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-7)
+    assert grad_norms[1] == pytest.approx(grad_norms[0], rel=1e-4)
+    assert grad_norms[0] > 0 and result["moved"] > 1e-4
+    assert result["weight_diff"] < 1e-6
+    metrics = result["metrics"]
+    assert metrics["clip_frac/seq"] == 0 and metrics["ratio/max"] == 1.0
+    # what the old-policy pass would have reported: the engine against the trainer
+    for key, value in result["gap"].items():
+        assert metrics[key] == pytest.approx(value, rel=1e-3, abs=1e-9), key
+    assert metrics["mismatch/weight_mean"] == pytest.approx(1, abs=1e-3)
+    assert 0 < metrics["entropy/mean"] < 5
+
+
+@pytest.mark.parametrize(
     ("format_version", "distributed", "dtype"),
     # the plain optimizer with the old format, the distributed one with the current format
     [(1, False, "float32"), (2, True, "float32"), (2, True, "bfloat16")],
