@@ -131,6 +131,11 @@ def test_every_shipped_recipe_loads_and_validates():
             ["algo.routing_replay=r2", "algo.mismatch=bypass"],
             r"algo\.routing_replay=r2 records routing in the trainer's old-policy forward",
         ),
+        (["rollout.max_staleness=-1"], r"rollout\.max_staleness: expected >= 0 \(0: lock-step\)"),
+        (
+            ["rollout.max_staleness=4", "run.steps=3"],
+            r"rollout\.max_staleness: expected at most run\.steps = 3 .*got 4",
+        ),
     ],
 )
 def test_trainer_sections_are_validated(overrides, message):

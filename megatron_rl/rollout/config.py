@@ -49,6 +49,11 @@ class RolloutConfig:
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: a response's reward falls linearly from 0 to -1 over the
     last this many tokens before max_new_tokens (0: off)."""
+    max_staleness: int = 0
+    """Asynchronous rollouts: the policy versions a step's samples may lag behind. 0:
+    lock-step (generate, then train); k > 0: the engine generates the samples of step t + k + 1
+    while the trainer trains step t + 1 (k = 1: one step off-policy; docs/training.md,
+    Asynchronous rollouts)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang servers, for backend=sglang."""
 
@@ -62,6 +67,10 @@ class RolloutConfig:
             "sync_bucket_mb",
             "probe_tolerance",
         )
+        if self.max_staleness < 0:
+            raise ConfigError(
+                f"rollout.max_staleness: expected >= 0 (0: lock-step), got {self.max_staleness}"
+            )
         if self.probe_every < 0:
             raise ConfigError(f"rollout.probe_every: expected >= 0, got {self.probe_every}")
         if self.max_generation_rounds < 1:

@@ -51,6 +51,8 @@ class Sample:
         finish_reason: "stop" (a stop token was generated) or "length" (max_new_tokens reached).
         routed_experts: `[len(prompt_ids) + len(response_ids) - 1, layers, topk]` int32 in
             SGLang's layout (see megatron_rl.moe.engine_routing), or None when not asked for.
+        weight_version: the engine's weight version (`RolloutEngine.weight_version`) that
+            generated it.
     """
 
     prompt_ids: tuple[int, ...]
@@ -58,6 +60,7 @@ class Sample:
     logprobs: Tensor
     finish_reason: FinishReason
     routed_experts: Tensor | None = None
+    weight_version: int = -1
 
 
 WeightBucket = Sequence[tuple[str, Tensor]]

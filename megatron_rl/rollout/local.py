@@ -257,6 +257,7 @@ class LocalEngine:
                     logprobs=token_logprobs[row, :length].clone(),
                     finish_reason="stop" if bool(stopped[row]) else "length",
                     routed_experts=routed,
+                    weight_version=self._version,
                 )
             )
         return samples

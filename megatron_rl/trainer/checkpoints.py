@@ -4,6 +4,7 @@
         weights/            megatron-core dist_checkpointing: the model (loadable at any
                             layout) and the optimizer (optimizer_state.py)
         rng_rank{r}.pt      this rank's torch, Python and NumPy RNG states
+        rollouts.pt         the rollouts generated ahead of the step (rollout.max_staleness > 0)
         trainer.json        step, layout, optimizer kind, learning-rate scheduler, the loop's
                             own counters
         megatron_rl.json    model family and config, and
@@ -81,10 +82,20 @@ def _sharded_state(policy: Policy, *, is_loading: bool, format_version: int) -> 
     return {"model": model, "optimizer": optimizer}
 
 
+ROLLOUTS_AHEAD = "rollouts.pt"
+
+
 def save_checkpoint(
-    directory: Path, step: int, policy: Policy, trainer_state: dict[str, Any], *, keep: int
+    directory: Path,
+    step: int,
+    policy: Policy,
+    trainer_state: dict[str, Any],
+    *,
+    keep: int,
+    rollouts_ahead: list[dict[str, Any]] | None = None,
 ) -> Path:
-    """Save the training state after `step` under `directory` (a collective); returns the path."""
+    """Save the training state after `step` under `directory` (a collective); returns the path.
+    `rollouts_ahead` (rank 0's: plain containers and tensors) is saved beside it."""
     final = directory / f"step_{step:06d}"
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
@@ -95,11 +106,9 @@ def save_checkpoint(
             _sharded_state(policy, is_loading=False, format_version=FORMAT_VERSION),
             staging / "weights",
         )
-        rng_path = staging / f"rng_rank{dist.get_rank()}.pt"
-        with open(rng_path, "wb") as handle:
-            torch.save(_rng_state(), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        _save_durably(_rng_state(), staging / f"rng_rank{dist.get_rank()}.pt")
+        if dist.get_rank() == 0 and rollouts_ahead:
+            _save_durably(rollouts_ahead, staging / ROLLOUTS_AHEAD)
         dist.barrier()
         if dist.get_rank() == 0:
             state = {
@@ -184,6 +193,19 @@ def check_resumable(
             f"{str(not saved).lower()}; set optim.distributed_optimizer={str(saved).lower()} to "
             "resume it"
         )
+
+
+def _save_durably(value: Any, path: Path) -> None:
+    with open(path, "wb") as handle:
+        torch.save(value, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def load_rollouts_ahead(path: Path) -> list[dict[str, Any]]:
+    """The rollouts generated ahead that the checkpoint at `path` saved (none: empty)."""
+    saved = path / ROLLOUTS_AHEAD
+    return torch.load(saved, weights_only=True) if saved.exists() else []
 
 
 def load_checkpoint(path: Path, policy: Policy) -> tuple[int, dict[str, Any]]:

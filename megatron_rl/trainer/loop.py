@@ -2,9 +2,11 @@
 sync -> metrics -> checkpoint. `train(recipe)` runs it on every rank of the job.
 
 Rank 0 owns the rollout engine, the verifiers and the metric sinks; the samples go to every rank,
-which takes its data-parallel share. Each step's randomness (the prompts, the engine's sampling,
-the minibatch order) is derived from `run.seed` and the step number alone, so a resumed run
-repeats exactly what an uninterrupted one would have done.
+which takes its data-parallel share. With rollout.max_staleness > 0 the rollouts of later steps
+are generated while the trainer trains (megatron_rl.trainer.rollout_queue). Each step's
+randomness (the prompts, the engine's sampling, the minibatch order) is derived from `run.seed`
+and the step number alone, so a resumed run repeats exactly what an uninterrupted one would have
+done.
 """
 
 from __future__ import annotations
@@ -25,8 +27,15 @@ from megatron_rl.process.stop import StopSignals
 from megatron_rl.rewards import Problem, ProblemSource, Verifier, get_verifier, problem_source
 from megatron_rl.rollout.backends import open_engine
 from megatron_rl.rollout.codec import PromptCodec
+from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.evaluate import held_out_accuracy
-from megatron_rl.trainer.checkpoints import load_checkpoint, resume_point, save_checkpoint
+from megatron_rl.trainer.batches import RolloutBatch
+from megatron_rl.trainer.checkpoints import (
+    load_checkpoint,
+    load_rollouts_ahead,
+    resume_point,
+    save_checkpoint,
+)
 from megatron_rl.trainer.learner import learn
 from megatron_rl.trainer.metrics import (
     ConsoleSink,
@@ -40,6 +49,7 @@ from megatron_rl.trainer.policy import Policy
 from megatron_rl.trainer.rank0_engine import Rank0Engine
 from megatron_rl.trainer.recipe import Recipe
 from megatron_rl.trainer.reference import ReferencePolicy
+from megatron_rl.trainer.rollout_queue import RolloutQueue
 from megatron_rl.trainer.rollout_step import rollout_step
 from megatron_rl.trainer.weight_sync import sync_weights
 
@@ -101,6 +111,11 @@ class Trainer:
         self.run_dir = Path(recipe.run.dir)
         self.probe = _probe_sequence(codec, problems.eval_problems[0])
         self.start, self.bad_steps, self.syncs = 0, 0, 0
+        self.rollouts = RolloutQueue(
+            engine,
+            self._generate_rollouts,
+            max_staleness=recipe.rollout.max_staleness,
+        )
 
     @classmethod
     def build(
@@ -142,12 +157,15 @@ class Trainer:
                 routing_shape=(policy.config.num_layers, policy.config.router_topk),
                 routed_experts=recipe.algo.routing_replay.uses_engine_routing,
             )
-        trainer = cls(
-            recipe, policy, Rank0Engine(engine), codec, problems, verifier, stop, reference
-        )
+        rank0_engine = Rank0Engine(engine)
+        stack.callback(rank0_engine.close)  # before the engine's own resources are released
+        trainer = cls(recipe, policy, rank0_engine, codec, problems, verifier, stop, reference)
         if found is not None:
             trainer.start, state = load_checkpoint(found, policy)
             trainer.bad_steps = state["bad_steps"]
+            trainer.rollouts.restore(
+                found, state.get("max_staleness", 0), lambda: load_rollouts_ahead(found)
+            )
         trainer.sync(trainer.start)
         return trainer
 
@@ -162,12 +180,16 @@ class Trainer:
         with MetricsLogger(self._metric_sinks() if dist.get_rank() == 0 else []) as logger:
             if self.start == 0:
                 logger.log(0, self.evaluate())
+            if self.start < recipe.run.steps:
+                self.rollouts.generate_ahead(self.start)
             for step in range(self.start + 1, recipe.run.steps + 1):
                 metrics = self.step(step)
                 logger.log(step, metrics)
                 self._count_bad_steps(step, metrics)
                 saved = self._save_if_due(step)
                 self._stop_if_asked(step, saved)
+                if step < recipe.run.steps:
+                    self.rollouts.generate_ahead(step)
         if recipe.checkpoint.export_hf:
             self._export()
         return metrics
@@ -175,20 +197,9 @@ class Trainer:
     def step(self, step: int) -> dict[str, float]:
         """RL step `step` (from 1): the picture of the module docstring; returns its metrics."""
         recipe, timer = self.recipe, StepTimer()
-        with timer.phase("rollout"):
-            batch, metrics = self.engine.run(
-                lambda engine: rollout_step(
-                    engine,
-                    self.codec,
-                    self.problems,
-                    step,
-                    self.verifier,
-                    rollout=recipe.rollout,
-                    algo=recipe.algo,
-                    data=recipe.data,
-                    seed=recipe.run.seed * 1_000_003 + step,
-                )
-            )
+        with timer.phase("rollout"):  # lock-step: the generation; else the wait for it
+            rollouts = self.rollouts.take(step)
+        batch, metrics = rollouts.batch, dict(rollouts.metrics)
         metrics |= learn(
             self.policy,
             batch,
@@ -205,6 +216,22 @@ class Trainer:
             with timer.phase("eval"):
                 metrics |= self.evaluate()
         return metrics | timer.metrics(0 if batch is None else int(batch.loss_mask.sum()))
+
+    def _generate_rollouts(
+        self, engine: RolloutEngine, step: int
+    ) -> tuple[RolloutBatch | None, dict[str, float]]:
+        recipe = self.recipe
+        return rollout_step(
+            engine,
+            self.codec,
+            self.problems,
+            step,
+            self.verifier,
+            rollout=recipe.rollout,
+            algo=recipe.algo,
+            data=recipe.data,
+            seed=recipe.run.seed * 1_000_003 + step,
+        )
 
     def sync(self, version: int) -> dict[str, float]:
         """The policy's weights into the engine as `version`, checked by the probe as the recipe
@@ -243,8 +270,15 @@ class Trainer:
         return None
 
     def _save(self, step: int) -> Path:
-        state, keep = {"bad_steps": self.bad_steps}, self.recipe.checkpoint.keep
-        return save_checkpoint(self.checkpoint_dir, step, self.policy, state, keep=keep)
+        state = {"bad_steps": self.bad_steps, "max_staleness": self.rollouts.max_staleness}
+        return save_checkpoint(
+            self.checkpoint_dir,
+            step,
+            self.policy,
+            state,
+            keep=self.recipe.checkpoint.keep,
+            rollouts_ahead=self.rollouts.ahead(),
+        )
 
     def _stop_if_asked(self, step: int, saved: Path | None) -> None:
         """Stop now if a stop signal came: an immediate one that was lost on the way

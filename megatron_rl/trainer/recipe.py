@@ -318,3 +318,8 @@ class Recipe:
                 "algo.routing_replay=r2 records routing in the trainer's old-policy forward, "
                 "which algo.mismatch=bypass skips; use r3 or another algo.mismatch"
             )
+        if self.rollout.max_staleness > self.run.steps:
+            raise ConfigError(
+                f"rollout.max_staleness: expected at most run.steps = {self.run.steps} (no step "
+                f"lags further behind), got {self.rollout.max_staleness}"
+            )

@@ -164,6 +164,7 @@ class SGLangEngine:
             n,
             where=f"SGLang server {server.url}, POST /generate",
             routed_experts=self.routed_experts if return_routed_experts else None,
+            weight_version=self._version,
         )
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[Tensor]:

@@ -42,9 +42,11 @@ def parse_samples(
     *,
     where: str,
     routed_experts: tuple[int, int] | None = None,
+    weight_version: int = -1,
 ) -> list[list[Sample]]:
     """`[len(prompts)][n]` samples from a `/generate` answer; `routed_experts` is `(layers,
-    topk)` when routing was asked for. `where` names the server and request in errors."""
+    topk)` when routing was asked for; `weight_version` is the served weights' version, which
+    every sample carries. `where` names the server and request in errors."""
     items = answer if isinstance(answer, list) else [answer]
     if len(items) != len(prompts) * n:
         raise SGLangError(
@@ -52,14 +54,24 @@ def parse_samples(
             f"x n={n}"
         )
     samples = [
-        _sample(items[index], prompts[index // n], f"{where}, sample {index}", routed_experts)
+        _sample(
+            items[index],
+            prompts[index // n],
+            f"{where}, sample {index}",
+            routed_experts,
+            weight_version,
+        )
         for index in range(len(items))
     ]
     return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
 def _sample(
-    item: Any, prompt: Sequence[int], where: str, routed_experts: tuple[int, int] | None
+    item: Any,
+    prompt: Sequence[int],
+    where: str,
+    routed_experts: tuple[int, int] | None,
+    weight_version: int,
 ) -> Sample:
     output_ids = _field(item, "output_ids", where)
     logprobs = _field(item, "meta_info.output_token_logprobs", where)
@@ -101,6 +113,7 @@ def _sample(
         logprobs=torch.tensor(values, dtype=torch.float32),
         finish_reason=reason,
         routed_experts=routing,
+        weight_version=weight_version,
     )
 
 
