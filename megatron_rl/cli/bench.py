@@ -182,6 +182,31 @@ BENCH_COMMANDS = {
             Path(args.workdir),
         ),
     ),
+    "step": _BenchCommand(
+        "megatron_rl.bench.rl_step",
+        "the whole RL step: megatron-rl (lock-step, async, engine log-probs, SGLang) beside TRL",
+        (
+            ("--steps", {"type": positive_int, "default": 12, "help": "steps per arm"}),
+            ("--warmup", {"type": int, "default": 2, "help": "first steps not timed"}),
+            (
+                "--arms",
+                {
+                    "nargs": "+",
+                    "default": None,
+                    "help": "arms to run (default: all; names as in the report)",
+                },
+            ),
+            ("--workdir", {"default": "runs/bench", "help": "scratch space (removed after)"}),
+        ),
+        lambda bench, args: bench.run_benchmark(
+            bench.RLStepBenchSpec(
+                steps=args.steps,
+                warmup=args.warmup,
+                **({"arms": tuple(args.arms)} if args.arms else {}),
+            ),
+            Path(args.workdir),
+        ),
+    ),
     "train-step": _BenchCommand(
         "megatron_rl.bench.train_step",
         "training step of a random MoE on one rank: tokens/s and MFU against the matmul peak",
