@@ -56,9 +56,9 @@ fi
 
 echo "[sglang-cpu] installing $sglang_pin for CPU into $venv" >&2
 # torch first and alone: the CPU wheel that lies on disk, never a CUDA build (pip looks there,
-# uv does not); uv then installs the locked rest in seconds.
+# uv does not); uv then installs the locked rest in seconds, compiled to bytecode as pip does.
 "${pip[@]}" install "$(grep '^torch==' "$here/requirements.lock")" uv==0.13.8
-uv=("$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps)
+uv=("$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" --no-deps)
 "${uv[@]}" -r "$here/requirements.lock"
 "${uv[@]}" "${no_deps[@]}"
 # The server's import chain, with the test-only CPU shims, must load.

@@ -27,7 +27,7 @@ echo "[trl-bench] installing ${packages[*]} into $venv" >&2
 # not look there); uv then installs the rest.
 torch_pin="$(grep -oE '"torch==[^"]+"' "$repo_root/setup.py" | tr -d '"')"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$torch_pin" uv==0.13.8
-"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" "${packages[@]}"
+"$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" "${packages[@]}"
 "$venv/bin/python" -c "import trl" || { echo "[trl-bench] trl does not import" >&2; exit 1; }
 echo "$want" >"$stamp.tmp" && mv "$stamp.tmp" "$stamp"
 echo "[trl-bench] ready: $venv/bin/python" >&2

@@ -21,10 +21,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "[setup] installing megatron-rl and its pinned dependencies into $venv" >&2
     # torch first and alone, exactly pinned, so that no other package's loose requirement can
     # pull a multi-GB CUDA build; on this machine kind pip takes the CPU wheel that lies on disk
-    # (uv does not look there). uv then installs the rest: pip's resolution, in seconds.
+    # (uv does not look there). uv then installs the rest: pip's resolution, in seconds, and
+    # compiled to bytecode as pip does (where PYTHONDONTWRITEBYTECODE is set, every process
+    # would otherwise compile each module it imports, at every start).
     torch_pin="$(grep -oE '"torch==[^"]+"' "$repo_root/setup.py" | tr -d '"')"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$torch_pin" uv==0.13.8
-    "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" -e "${repo_root}[test]"
+    "$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" -e "${repo_root}[test]"
     echo "$want" > "$stamp.tmp" && mv "$stamp.tmp" "$stamp"
 else
     echo "[setup] $venv is up to date" >&2
