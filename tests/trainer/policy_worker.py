@@ -73,15 +73,20 @@ class _LostUpdates(LocalEngine):
         self._version = version
 
 
-def _one_update(policy: Policy, batch) -> float:
-    """One GRPO optimizer step on this rank's share of `batch`; returns the gradient norm."""
-    share = micro_batches(
+def _share(policy: Policy, batch, micro_batch_size: int) -> list:
+    """This rank's data-parallel share of all of `batch`'s rows, as micro-batches."""
+    return micro_batches(
         batch,
         list(range(batch.num_rows)),
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=policy.dims.dp,
-        micro_batch_size=4,
+        micro_batch_size=micro_batch_size,
     )
+
+
+def _one_update(policy: Policy, batch) -> float:
+    """One GRPO optimizer step on this rank's share of `batch`; returns the gradient norm."""
+    share = _share(policy, batch, micro_batch_size=4)
     mode = RoutingReplayMode.NONE
     computed = policy.old_policy(share, mode)
     share = [
@@ -179,13 +184,7 @@ def old_policy_is_current(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]
     with_forward, without = (Policy(config, dims, OptimConfig(lr=1e-3)) for _ in range(2))
     engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
     batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
-    share = micro_batches(
-        batch,
-        list(range(batch.num_rows)),
-        dp_rank=parallel_state.get_data_parallel_rank(),
-        dp_size=with_forward.dims.dp,
-        micro_batch_size=2,
-    )
+    share = _share(with_forward, batch, micro_batch_size=2)
     mode, correction = RoutingReplayMode.NONE, MismatchCorrection.of("tis")
     spec = PolicyLossSpec("gspo", 3e-4, 4e-4, options={"mismatch": correction})
     start = [weight.detach().clone() for weight in main_weights(without.optimizer)]
