@@ -136,6 +136,18 @@ def test_every_shipped_recipe_loads_and_validates():
             ["rollout.max_staleness=4", "run.steps=3"],
             r"rollout\.max_staleness: expected at most run\.steps = 3 .*got 4",
         ),
+        (
+            ["rollout.partial_rollouts=true"],
+            r"rollout\.partial_rollouts: needs rollout\.max_staleness >= 1",
+        ),
+        (
+            [
+                "rollout.partial_rollouts=true",
+                "rollout.max_staleness=1",
+                "algo.routing_replay=r3",
+            ],
+            r"rollout\.partial_rollouts: algo\.routing_replay=r3 replays the routing",
+        ),
     ],
 )
 def test_trainer_sections_are_validated(overrides, message):

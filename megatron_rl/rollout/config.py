@@ -54,6 +54,11 @@ class RolloutConfig:
     lock-step (generate, then train); k > 0: the engine generates the samples of step t + k + 1
     while the trainer trains step t + 1 (k = 1: one step off-policy; docs/training.md,
     Asynchronous rollouts)."""
+    partial_rollouts: bool = False
+    """With max_staleness > 0: a weight sync that finds a generation in flight pauses it, loads
+    the new weights and lets it go on with them (each token marked with the version that
+    generated it), rather than wait for it to finish with the old ones (docs/training.md,
+    Partial rollouts)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang servers, for backend=sglang."""
 
@@ -70,6 +75,11 @@ class RolloutConfig:
         if self.max_staleness < 0:
             raise ConfigError(
                 f"rollout.max_staleness: expected >= 0 (0: lock-step), got {self.max_staleness}"
+            )
+        if self.partial_rollouts and self.max_staleness == 0:
+            raise ConfigError(
+                "rollout.partial_rollouts: needs rollout.max_staleness >= 1 (in lock-step no "
+                "generation is in flight when the weights are synced)"
             )
         if self.probe_every < 0:
             raise ConfigError(f"rollout.probe_every: expected >= 0, got {self.probe_every}")

@@ -8,8 +8,9 @@ a finish reason and, when asked, the experts its tokens were routed to.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -52,7 +53,10 @@ class Sample:
         routed_experts: `[len(prompt_ids) + len(response_ids) - 1, layers, topk]` int32 in
             SGLang's layout (see megatron_rl.moe.engine_routing), or None when not asked for.
         weight_version: the engine's weight version (`RolloutEngine.weight_version`) that
-            generated it.
+            generated its first token.
+        token_versions: per response token, the weight version that generated it, when the
+            weights changed during the generation (partial rollouts, `RolloutEngine.paused`);
+            None when all of them came from `weight_version`.
     """
 
     prompt_ids: tuple[int, ...]
@@ -61,6 +65,13 @@ class Sample:
     finish_reason: FinishReason
     routed_experts: Tensor | None = None
     weight_version: int = -1
+    token_versions: tuple[int, ...] | None = None
+
+    def response_versions(self) -> list[int]:
+        """The weight version of every response token, `[len(response_ids)]`."""
+        if self.token_versions is None:
+            return [self.weight_version] * len(self.response_ids)
+        return list(self.token_versions)
 
 
 WeightBucket = Sequence[tuple[str, Tensor]]
@@ -92,7 +103,8 @@ class RolloutEngine(Protocol):
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[Tensor]:
         """Per sequence, `[len - 1]` float32 log-probs of its tokens 1.. under the engine's
-        current weights (the weight-sync probe compares them with the trainer's)."""
+        current weights (the weight-sync probe compares them with the trainer's). May be called
+        while a generation runs on another thread."""
         ...
 
     def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
@@ -107,4 +119,17 @@ class RolloutEngine(Protocol):
 
     def healthy(self) -> bool:
         """True when the engine can serve requests."""
+        ...
+
+
+@runtime_checkable
+class PausableEngine(Protocol):
+    """What a RolloutEngine whose generations can be paused for a weight update (partial
+    rollouts) has besides."""
+
+    def paused(self) -> AbstractContextManager[None]:
+        """Within it no generation step runs: a generation in flight waits, the weights may be
+        updated (from the thread that paused), and the generation then goes on with the new
+        weights, the prefix it has recomputed under them, every token marked with the version
+        that generated it (`Sample.token_versions`). Partial rollouts rest on it."""
         ...

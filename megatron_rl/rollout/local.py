@@ -13,7 +13,9 @@ conversion, applied once to tensors that hold each parameter element's flat inde
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
@@ -63,6 +65,49 @@ class _CheckpointNameMap:
         param.data.view(-1)[index.reshape(-1)] = tensor.reshape(-1).to(param.dtype)
 
 
+class _StepGate:
+    """Lets a thread pause the generation between two of its model steps.
+
+    The generating thread runs each step inside `step()`; `paused()` waits for the step in
+    progress to end and holds the next one back until it exits. A waiting pause goes first,
+    so a generation cannot starve it.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._pauses = 0  # paused() blocks entered and not left, waiting ones included
+        self._stepping = False
+
+    @property
+    def pause_pending(self) -> bool:
+        with self._condition:
+            return self._pauses > 0
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        with self._condition:
+            self._condition.wait_for(lambda: self._pauses == 0)
+            self._stepping = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._stepping = False
+                self._condition.notify_all()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        with self._condition:
+            self._pauses += 1
+            self._condition.wait_for(lambda: not self._stepping)
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._pauses -= 1
+                self._condition.notify_all()
+
+
 class LocalEngine:
     """Generates on this process from a Hugging Face causal LM (see the module docstring).
 
@@ -86,6 +131,7 @@ class LocalEngine:
         )
         self._version = -1
         self._healthy = True
+        self._gate = _StepGate()
 
     @classmethod
     def from_pretrained(
@@ -103,11 +149,21 @@ class LocalEngine:
     def healthy(self) -> bool:
         return self._healthy
 
+    def paused(self) -> AbstractContextManager[None]:
+        """No model step of a generation runs within it (see PausableEngine.paused)."""
+        return self._gate.paused()
+
+    @property
+    def pause_pending(self) -> bool:
+        """True while a `paused()` block waits for, or holds back, the generation's steps."""
+        return self._gate.pause_pending
+
     def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        """Copy every tensor of `buckets` in; all of the model's tensors must come."""
+        """Copy every tensor of `buckets` in; all of the model's tensors must come. A generation
+        in flight waits meanwhile and goes on with the new weights."""
         seen: set[str] = set()
         self._healthy = False  # until the update is complete
-        with torch.no_grad():
+        with self._gate.paused(), torch.no_grad():
             for bucket in buckets:
                 for name, tensor in bucket:
                     self._names.copy(name, tensor)
@@ -122,12 +178,15 @@ class LocalEngine:
 
     @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]]) -> list[Tensor]:
-        """Per sequence, `[len - 1]` log-probs of its tokens 1.. (one forward each)."""
+        """Per sequence, `[len - 1]` log-probs of its tokens 1.. (one forward each, between two
+        steps of a generation in flight)."""
         result = []
-        for sequence in sequences:
-            tokens = torch.tensor([list(sequence)])
-            logits = self.model(input_ids=tokens, **self._extra_inputs).logits[0, :-1].float()
-            result.append(torch.log_softmax(logits, -1).gather(1, tokens[0, 1:, None])[:, 0])
+        with self._gate.paused():
+            for sequence in sequences:
+                tokens = torch.tensor([list(sequence)])
+                logits = self.model(input_ids=tokens, **self._extra_inputs).logits[0, :-1]
+                logprobs = torch.log_softmax(logits.float(), -1)
+                result.append(logprobs.gather(1, tokens[0, 1:, None])[:, 0])
         return result
 
     @torch.no_grad()
@@ -171,20 +230,36 @@ class LocalEngine:
         hooks = []
         if return_routed_experts:
             hooks = [r.register_forward_hook(self._record_into(routing)) for r in self._routers]
-        generated, logprobs = [], []
+        generated, logprobs, versions = [], [], []  # per step; versions: the weights' version
         finished = torch.zeros(batch, dtype=torch.bool)
         lengths = torch.full((batch,), params.max_new_tokens)
         step_input, positions = tokens, (attention.cumsum(1) - 1).clamp(min=0)
+        cache_version = self._version
         try:
             for _ in range(params.max_new_tokens):
-                output = self.model(
-                    input_ids=step_input,
-                    attention_mask=attention,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                    **self._extra_inputs,
-                )
+                with self._gate.step():
+                    if self._version != cache_version:
+                        # The weights changed while paused: the prefix again under the new ones,
+                        # so that each later token comes from one version alone.
+                        if return_routed_experts:
+                            raise RuntimeError(
+                                "engine: the weights changed during a generation that records "
+                                "routed experts; the prefix would be routed again by the new "
+                                "weights (partial rollouts cannot record routing for R3)"
+                            )
+                        cache = DynamicCache(config=self.model.config)
+                        step_input = torch.cat([tokens, torch.stack(generated, 1)], 1)
+                        positions = (attention.cumsum(1) - 1).clamp(min=0)
+                        cache_version = self._version
+                    output = self.model(
+                        input_ids=step_input,
+                        attention_mask=attention,
+                        position_ids=positions,
+                        past_key_values=cache,
+                        use_cache=True,
+                        **self._extra_inputs,
+                    )
+                versions.append(cache_version)
                 logits = output.logits[:, -1].float()
                 next_token = self._sample(logits, params, generator)
                 logprobs.append(torch.log_softmax(logits, -1).gather(1, next_token[:, None])[:, 0])
@@ -200,7 +275,7 @@ class LocalEngine:
         finally:
             for hook in hooks:
                 hook.remove()
-        return self._samples(prompts, generated, logprobs, lengths, finished, routing)
+        return self._samples(prompts, generated, logprobs, versions, lengths, finished, routing)
 
     @staticmethod
     def _record_into(routing: list[Tensor]) -> Callable[..., None]:
@@ -231,6 +306,7 @@ class LocalEngine:
         prompts: list[tuple[int, ...]],
         generated: list[Tensor],
         logprobs: list[Tensor],
+        versions: list[int],
         lengths: Tensor,
         stopped: Tensor,
         routing: list[Tensor],
@@ -245,6 +321,7 @@ class LocalEngine:
         samples = []
         for row, prompt in enumerate(prompts):
             length = int(lengths[row])
+            token_versions = tuple(versions[:length])
             routed = None
             if calls:
                 prefill = calls[0].view(len(prompts), width, layers, -1)[row, width - len(prompt) :]
@@ -257,7 +334,8 @@ class LocalEngine:
                     logprobs=token_logprobs[row, :length].clone(),
                     finish_reason="stop" if bool(stopped[row]) else "length",
                     routed_experts=routed,
-                    weight_version=self._version,
+                    weight_version=token_versions[0],
+                    token_versions=token_versions if len(set(token_versions)) > 1 else None,
                 )
             )
         return samples

@@ -157,7 +157,7 @@ class Trainer:
                 routing_shape=(policy.config.num_layers, policy.config.router_topk),
                 routed_experts=recipe.algo.routing_replay.uses_engine_routing,
             )
-        rank0_engine = Rank0Engine(engine)
+        rank0_engine = Rank0Engine(engine, partial_rollouts=recipe.rollout.partial_rollouts)
         stack.callback(rank0_engine.close)  # before the engine's own resources are released
         trainer = cls(recipe, policy, rank0_engine, codec, problems, verifier, stop, reference)
         if found is not None:

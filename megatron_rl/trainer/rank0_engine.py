@@ -8,7 +8,8 @@ error), so that the loop reads the same on every rank.
 Work can also be submitted ahead (`submit`, then `collect` its result): rank 0 runs it on one
 background thread, in submission order, while the trainer goes on (asynchronous rollouts). The
 engine never does two things at once: `run` and `update_weights` first wait until the
-background work submitted before them is done.
+background work submitted before them is done; with partial rollouts `update_weights` pauses
+the generation in flight instead, which then goes on with the new weights.
 """
 
 from __future__ import annotations
@@ -17,20 +18,35 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, TypeVar
+
+from torch import Tensor
 
 from megatron_rl.models.hf_weights import HFWeightStream
 from megatron_rl.parallel.collectives import from_rank0
-from megatron_rl.rollout.engine import RolloutEngine, WeightBucket
+from megatron_rl.rollout.engine import PausableEngine, RolloutEngine, WeightBucket
 
 T = TypeVar("T")
 
 
 class Rank0Engine:
-    """`engine` on global rank 0, None on every other rank."""
+    """`engine` on global rank 0, None on every other rank.
 
-    def __init__(self, engine: RolloutEngine | None) -> None:
+    Args:
+        engine: rank 0's engine; None elsewhere.
+        partial_rollouts: weight updates pause the generation in flight rather than wait for
+            it (the engine must be a PausableEngine).
+    """
+
+    def __init__(self, engine: RolloutEngine | None, *, partial_rollouts: bool = False) -> None:
+        if partial_rollouts and engine is not None and not isinstance(engine, PausableEngine):
+            raise ValueError(
+                f"rollout.partial_rollouts: the {type(engine).__name__} engine cannot pause a "
+                "generation for a weight update; set rollout.partial_rollouts=false"
+            )
         self._engine = engine
+        self.partial_rollouts = partial_rollouts
         self._background: ThreadPoolExecutor | None = None
         self._submitted: deque[Future[Any]] = deque()  # rank 0's, oldest first
 
@@ -42,6 +58,11 @@ class Rank0Engine:
     def run(self, work: Callable[[RolloutEngine], T]) -> T:
         """`work(engine)` on rank 0, after the background work; its result on every rank."""
         return from_rank0(lambda: work(self._idle()))
+
+    def score(self, sequences: list[list[int]]) -> list[Tensor]:
+        """The engine's `score` on rank 0, at once (beside a generation in flight, which engines
+        allow); its result on every rank."""
+        return from_rank0(lambda: self._engine.score(sequences))
 
     def submit(self, work: Callable[[RolloutEngine], Any]) -> None:
         """Start `work(engine)` on rank 0's background thread, after the work submitted before
@@ -84,19 +105,24 @@ class Rank0Engine:
         return self._engine
 
     def update_weights(self, stream: HFWeightStream, version: int) -> dict[str, float]:
-        """Load the policy's weights into the engine as weight `version`. Every rank iterates
-        `stream` (its gathers are collectives); returns the bytes sent and their rate."""
+        """Load the policy's weights into the engine as weight `version` (after the background
+        work, or pausing it with partial rollouts). Every rank iterates `stream` (its gathers are
+        collectives); returns the bytes sent and their rate."""
         metrics: dict[str, float] = {}
         if self._engine is None:
             for _ in stream:
                 pass
         else:
             counted = _Counted(stream)
-            engine = self._idle()
+            engine = self._engine if self.partial_rollouts else self._idle()
+            if self.partial_rollouts:
+                in_flight = any(not future.done() for future in self._submitted)
+                metrics["sync/paused_generation"] = float(in_flight)
             start = time.perf_counter()
-            engine.update_weights(counted, version)
+            with engine.paused() if self.partial_rollouts else nullcontext():
+                engine.update_weights(counted, version)
             seconds = time.perf_counter() - start
-            metrics = {
+            metrics |= {
                 "sync/bytes": float(counted.bytes),
                 "throughput/weight_sync_bytes_per_s": counted.bytes / seconds if seconds else 0.0,
             }

@@ -318,6 +318,12 @@ class Recipe:
                 "algo.routing_replay=r2 records routing in the trainer's old-policy forward, "
                 "which algo.mismatch=bypass skips; use r3 or another algo.mismatch"
             )
+        if self.rollout.partial_rollouts and self.algo.routing_replay.uses_engine_routing:
+            raise ConfigError(
+                "rollout.partial_rollouts: algo.routing_replay=r3 replays the routing the engine "
+                "recorded, and a generation continued under new weights routes its prefix "
+                "again; use r2 (recorded by the trainer) or rollout.partial_rollouts=false"
+            )
         if self.rollout.max_staleness > self.run.steps:
             raise ConfigError(
                 f"rollout.max_staleness: expected at most run.steps = {self.run.steps} (no step "

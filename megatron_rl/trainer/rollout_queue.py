@@ -4,11 +4,17 @@ ahead of it on rank 0's background thread while the trainer trains (`rollout.max
 With max_staleness k, step s trains on samples of weight version max(0, s - 1 - k): the engine
 generates step t + k + 1 with version t while the trainer trains step t + 1 (k = 1: one step
 off-policy). Version t is the policy after step t; the engine holds it once it is synced, and a
-generation always finishes with the weights it started with (the weight sync waits for it). So
-which version generates which step is fixed by k alone, and a resumed run, which restores the
-batches generated ahead at its checkpoint, repeats the uninterrupted run. The last k batches a
-run generates are beyond its last step: a run resumed with more steps goes on as a longer run
-would have.
+generation finishes with the weights it started with (the weight sync waits for it). So which
+version generates which step is fixed by k alone, and a resumed run, which restores the batches
+generated ahead at its checkpoint, repeats the uninterrupted run. The last k batches a run
+generates are beyond its last step: a run resumed with more steps goes on as a longer run would
+have.
+
+With partial rollouts (`Rank0Engine.partial_rollouts`) the weight sync pauses the generation in
+flight instead, and it goes on with the newer weights: a step's tokens then come from version
+max(0, s - 1 - k) or later, each marked with its own (`Sample.token_versions`). Where the sync
+lands in a generation depends on timing, so such a run is not repeatable; its checkpoint still
+keeps the batches generated ahead.
 """
 
 from __future__ import annotations
@@ -110,14 +116,33 @@ class RolloutQueue:
 
     def _rollouts(self, engine: RolloutEngine, step: int) -> StepRollouts:
         version, start = engine.weight_version, time.perf_counter()
-        if version != generation_version(step, self.max_staleness):
+        expected = generation_version(step, self.max_staleness)
+        # Partial rollouts: a sync may land before the generation starts; newer is allowed.
+        if version != expected and not (self.engine.partial_rollouts and version > expected):
             raise RuntimeError(
                 f"rollouts of step {step}: the engine holds weight version {version}, expected "
-                f"{generation_version(step, self.max_staleness)}"
+                f"{expected}"
             )
         batch, metrics = self._generate(engine, step)
         metrics = metrics | {"time/generate_s": time.perf_counter() - start}
         if batch is not None:
-            lag = torch.tensor([step - 1 - s.weight_version for s in batch.samples], dtype=float)
-            metrics |= {"staleness/mean": float(lag.mean()), "staleness/max": float(lag.max())}
+            metrics |= staleness_metrics(batch.samples, step, self.engine.partial_rollouts)
         return StepRollouts(step, version, batch, metrics)
+
+
+def staleness_metrics(
+    samples: tuple[Sample, ...], step: int, partial_rollouts: bool
+) -> dict[str, float]:
+    """How many policy versions the samples of RL step `step` lag behind the one it trains
+    (step - 1): per sample from its first token; with partial rollouts also per token, and the
+    fraction of samples whose tokens came from more than one version."""
+    lag = torch.tensor([step - 1 - sample.weight_version for sample in samples], dtype=float)
+    metrics = {"staleness/mean": float(lag.mean()), "staleness/max": float(lag.max())}
+    if partial_rollouts:
+        versions = torch.tensor([v for sample in samples for v in sample.response_versions()])
+        partial = [sample.token_versions is not None for sample in samples]
+        metrics |= {
+            "staleness/token_mean": float((step - 1 - versions).double().mean()),
+            "rollout/partial_frac": sum(partial) / len(samples),
+        }
+    return metrics

@@ -1,7 +1,12 @@
 """The in-process engine on a tiny random Qwen3-MoE: cached generation equals a full forward,
-seeds, stop tokens, routed experts in SGLang's layout, weight updates by checkpoint name."""
+seeds, stop tokens, routed experts in SGLang's layout, weight updates by checkpoint name, and a
+generation paused for a weight update (partial rollouts)."""
 
 from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -161,3 +166,78 @@ def test_a_bfloat16_engine_differs_from_float32_by_its_precision_alone(tmp_path)
 def _current(engine: LocalEngine, name: str) -> torch.Tensor:
     param, index = engine._names.targets[name]
     return param.detach().view(-1)[index.reshape(-1)].view(index.shape).clone()
+
+
+@contextmanager
+def _weights_change_after(engine: LocalEngine, steps: int, buckets, version: int):
+    """Within it, at the engine's `steps`-th model step, a weight update to `version` starts on
+    another thread (through `paused()`, as the trainer's sync does), and the step ends only once
+    that pause waits: the update lands between steps `steps` and `steps + 1`, and no later."""
+    calls = [0]
+
+    def update() -> None:
+        with engine.paused():
+            engine.update_weights(buckets, version)
+
+    updater = threading.Thread(target=update)
+
+    def hook(module, inputs, output) -> None:
+        calls[0] += 1
+        if calls[0] == steps:
+            updater.start()
+            deadline = time.monotonic() + 30
+            while not engine.pause_pending:
+                assert time.monotonic() < deadline, "the weight update never asked to pause"
+                time.sleep(0.001)
+
+    handle = engine.model.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+        if updater.ident is not None:
+            updater.join()
+
+
+def test_a_generation_paused_for_new_weights_marks_each_tokens_version(tmp_path):
+    # Partial rollouts: the weights change after the 4th model step (token 3); tokens 0..3 come
+    # from version 0 and the rest from version 1, with the prefix recomputed under it, so that
+    # each token's log-prob is exactly its own version's.
+    engine = LocalEngine.from_pretrained(save_tiny("qwen3_moe", tmp_path / "a", seed=0))
+    old = LocalEngine.from_pretrained(tmp_path / "a")
+    new = LocalEngine.from_pretrained(save_tiny("qwen3_moe", tmp_path / "b", seed=1))
+    from safetensors.torch import load_file
+
+    engine.update_weights([list(load_file(tmp_path / "a" / "model.safetensors").items())], 0)
+    buckets = [list(load_file(tmp_path / "b" / "model.safetensors").items())]
+    with _weights_change_after(engine, 4, buckets, version=1):
+        groups = engine.generate(PROMPTS, SamplingParams(max_new_tokens=9), n=2, seed=5)
+    assert engine.weight_version == 1
+    for sample in (s for group in groups for s in group):
+        assert sample.weight_version == 0
+        assert sample.token_versions == (0,) * 4 + (1,) * 5
+        assert sample.response_versions() == list(sample.token_versions)
+        by_version = {
+            0: _full_forward_logprobs(old, sample),
+            1: _full_forward_logprobs(new, sample),
+        }
+        expected = torch.cat(
+            [by_version[v][i : i + 1] for i, v in enumerate(sample.token_versions)]
+        )
+        torch.testing.assert_close(sample.logprobs, expected, atol=1e-5, rtol=0)
+    # A generation the weights did not change under carries no marks.
+    (after,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=3))[0]
+    assert (after.weight_version, after.token_versions) == (1, None)
+    assert after.response_versions() == [1, 1, 1]
+
+
+def test_routing_is_not_recorded_across_a_weight_change(tmp_path):
+    engine = LocalEngine.from_pretrained(save_tiny("qwen3_moe", tmp_path / "a"))
+    from safetensors.torch import load_file
+
+    buckets = [list(load_file(tmp_path / "a" / "model.safetensors").items())]
+    with (
+        _weights_change_after(engine, 2, buckets, version=1),
+        pytest.raises(RuntimeError, match="partial rollouts cannot record routing"),
+    ):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), return_routed_experts=True)

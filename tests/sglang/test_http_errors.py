@@ -157,6 +157,41 @@ def test_a_wrong_generate_answer_is_a_clear_error(scripted, answer, message):
     assert f"{server.url}, POST /generate" in str(error.value)
 
 
+def _versioned(spans) -> dict:
+    answer = _sample([5, 6], [[-0.1, 5, None], [-0.2, 6, None]])
+    answer["meta_info"]["weight_versions"] = spans
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("spans", "message"),
+    [
+        ([{"version": "3", "start": 0, "end": 1}], r"covers 1 of the 2 output tokens"),
+        (
+            [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 0, "end": 2}],
+            r"weight_versions = .*expected contiguous spans from token 0 to 2",
+        ),
+        ([{"version": "default", "start": 0, "end": 2}], r"names version 'default'"),
+    ],
+    ids=["short", "overlapping", "not_a_number"],
+)
+def test_wrong_weight_version_marks_are_a_clear_error(scripted, spans, message):
+    server = scripted([(200, json.dumps(_versioned(spans)))])
+    with pytest.raises(SGLangError, match=message):
+        _engine(server.url).generate([[1, 2]], SamplingParams(max_new_tokens=2))
+
+
+def test_weight_version_marks_become_each_tokens_version(scripted):
+    two = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 2}]
+    one = [{"version": "4", "start": 0, "end": 2}]
+    server = scripted([(200, json.dumps(_versioned(two))), (200, json.dumps(_versioned(one)))])
+    engine = _engine(server.url)
+    (sample,) = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0]
+    assert (sample.weight_version, sample.token_versions) == (3, (3, 4))
+    (sample,) = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0]
+    assert (sample.weight_version, sample.token_versions) == (4, None)
+
+
 def test_routed_experts_of_the_wrong_size_are_refused(scripted):
     answer = _sample([5, 6], [[-0.1, 5, None], [-0.2, 6, None]])
     # 3 positions x 4 layers x top-2 expected; 2 positions sent.

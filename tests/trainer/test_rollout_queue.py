@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -24,7 +25,10 @@ class _VersionedEngine:
         self.weight_version = 0
 
 
-def _batch(step: int, version: int):
+def _batch(step: int, version: int, last_version: int | None = None):
+    """Two samples of 1 and 2 tokens by `version`; with another `last_version`, the second
+    one's last token by that one (a partial rollout)."""
+    partial = last_version is not None and last_version != version
     samples = [
         Sample(
             prompt_ids=(1, 2, step),
@@ -33,6 +37,7 @@ def _batch(step: int, version: int):
             finish_reason="stop",
             routed_experts=torch.zeros(3 + row, 2, 2, dtype=torch.int32),
             weight_version=version,
+            token_versions=(version, last_version) if row and partial else None,
         )
         for row in range(2)
     ]
@@ -98,6 +103,58 @@ def test_the_next_generation_runs_while_the_trainer_trains_and_the_sync_waits_fo
     # the weight sync waits for the generation that uses the weights it replaces
     assert queue.engine.run(lambda e: list(finished)) == [2]
     queue.engine.close()
+
+
+class _PausableEngine(_VersionedEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pauses = 0
+
+    @contextmanager
+    def paused(self):
+        self.pauses += 1
+        yield
+
+    def update_weights(self, buckets, version: int) -> None:
+        list(buckets)
+        self.weight_version = version
+
+
+def test_with_partial_rollouts_the_sync_pauses_the_generation_in_flight():
+    in_flight, synced = threading.Event(), threading.Event()
+
+    def generate(engine, step):
+        first = engine.weight_version
+        if step == 2:  # generated ahead; the sync of version 1 lands in the middle
+            in_flight.set()
+            assert synced.wait(timeout=30), "the sync waited for the generation in flight"
+        return _batch(step, first, engine.weight_version), {}
+
+    engine = _PausableEngine()
+    queue = RolloutQueue(Rank0Engine(engine, partial_rollouts=True), generate, max_staleness=1)
+    queue.generate_ahead(0)
+    queue.take(1)
+    assert in_flight.wait(timeout=30)
+    metrics = queue.engine.update_weights([[("w", torch.zeros(4))]], 1)
+    synced.set()
+    assert (engine.pauses, engine.weight_version) == (1, 1)
+    assert metrics["sync/paused_generation"] == 1.0 and metrics["sync/bytes"] == 16
+    queue.generate_ahead(1)
+    taken = queue.take(2)
+    # samples from version 0 at the start (1 behind), their last tokens from version 1 (0
+    # behind): one sample of two has two versions, one token of three is fresh
+    assert taken.version == 0 and taken.metrics["staleness/max"] == 1
+    assert taken.metrics["rollout/partial_frac"] == 0.5
+    assert taken.metrics["staleness/token_mean"] == pytest.approx(2 / 3)
+    assert [s.response_versions() for s in taken.batch.samples] == [[0], [0, 1]]
+    third = queue.take(3)
+    assert third.version == 1 and third.metrics["rollout/partial_frac"] == 0.0
+    queue.engine.close()
+
+
+def test_partial_rollouts_need_an_engine_that_can_pause():
+    with pytest.raises(ValueError, match=r"rollout\.partial_rollouts: the _VersionedEngine engine"):
+        Rank0Engine(_VersionedEngine(), partial_rollouts=True)
 
 
 def test_an_error_in_a_generation_ahead_reaches_the_step_that_takes_it():

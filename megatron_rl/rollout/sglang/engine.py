@@ -12,8 +12,9 @@ from stale weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor
@@ -166,6 +167,20 @@ class SGLangEngine:
             routed_experts=self.routed_experts if return_routed_experts else None,
             weight_version=self._version,
         )
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Every server's generation paused (`/pause_generation`, mode "retract": the requests in
+        flight go back to the waiting queue and their prefix is recomputed on continue, under
+        the weights then served), continued on exit (`/continue_generation`). Each answer marks
+        which tokens which version generated (`meta_info.weight_versions`)."""
+        for server in self.servers:
+            self._post(server, "/pause_generation", {"mode": "retract"})
+        try:
+            yield
+        finally:
+            for server in self.servers:
+                self._post(server, "/continue_generation", {})
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[Tensor]:
         """Per sequence, `[len - 1]` log-probs of its tokens 1.. under the engine's weights

@@ -8,7 +8,10 @@ Facts about SGLang 0.5.x this relies on (checked against 0.5.23 in tests/sglang)
 - `meta_info.input_token_logprobs` (with `logprob_start_len: 0`) has one entry per prompt
   token, the first with a null log-prob;
 - `meta_info.finish_reason` is `{"type": "stop" | "length" | "abort", ...}`;
-- `meta_info.routed_experts` is base64 of int32 `[prompt_len + response_len - 1, layers, topk]`.
+- `meta_info.routed_experts` is base64 of int32 `[prompt_len + response_len - 1, layers, topk]`;
+- `meta_info.weight_versions`, when the served weights changed during the generation (a weight
+  update while paused), is `[{"version", "start", "end"}, ...]`: contiguous spans of the output
+  tokens and the weight version (as the update named it) that generated them.
 """
 
 from __future__ import annotations
@@ -107,6 +110,13 @@ def _sample(
         routing = decode_routed_experts(
             encoded, len(prompt) + len(output_ids) - 1, *routed_experts, where=where
         )
+    token_versions = None
+    spans = item["meta_info"].get("weight_versions")
+    if spans is not None:
+        token_versions = _token_versions(spans, len(output_ids), where)
+        weight_version = token_versions[0]
+        if len(set(token_versions)) == 1:
+            token_versions = None
     return Sample(
         prompt_ids=tuple(prompt),
         response_ids=tuple(output_ids),
@@ -114,7 +124,34 @@ def _sample(
         finish_reason=reason,
         routed_experts=routing,
         weight_version=weight_version,
+        token_versions=token_versions,
     )
+
+
+def _token_versions(spans: Any, length: int, where: str) -> tuple[int, ...]:
+    """Per output token, the weight version of `meta_info.weight_versions`'s span holding it."""
+    versions: list[int] = []
+    for span in spans if isinstance(spans, list) else [spans]:
+        fields = span if isinstance(span, dict) else {}
+        version, start, end = fields.get("version"), fields.get("start"), fields.get("end")
+        if start != len(versions) or not isinstance(end, int) or end <= start:
+            raise SGLangError(
+                f"{where}: meta_info.weight_versions = {spans!r}: expected contiguous spans "
+                f"from token 0 to {length}"
+            )
+        try:
+            versions += [int(version)] * (end - start)
+        except (TypeError, ValueError):
+            raise SGLangError(
+                f"{where}: meta_info.weight_versions names version {version!r}; the trainer's "
+                "versions are integers"
+            ) from None
+    if len(versions) != length:
+        raise SGLangError(
+            f"{where}: meta_info.weight_versions = {spans!r} covers {len(versions)} of the "
+            f"{length} output tokens"
+        )
+    return tuple(versions)
 
 
 def decode_routed_experts(
