@@ -189,7 +189,7 @@ class LocalEngine:
                 result.append(logprobs.gather(1, tokens[0, 1:, None])[:, 0])
         return result
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -225,18 +225,23 @@ class LocalEngine:
             tokens[row, width - len(prompt) :] = torch.tensor(prompt)
             attention[row, width - len(prompt) :] = 1
         stop_ids = torch.tensor(params.stop_token_ids or (-1,))
-        cache = DynamicCache(config=self.model.config)
         routing: list[Tensor] = []  # per router call, in call order: [tokens, topk]
         hooks = []
         if return_routed_experts:
             hooks = [r.register_forward_hook(self._record_into(routing)) for r in self._routers]
-        generated, logprobs, versions = [], [], []  # per step; versions: the weights' version
-        finished = torch.zeros(batch, dtype=torch.bool)
+        # Per row and step: the token (0 after the row's end) and its log-prob; per step, the
+        # weights' version and the rows that took part (a row that ends leaves the batch).
+        generated = torch.zeros(batch, params.max_new_tokens, dtype=torch.long)
+        logprobs = torch.zeros(batch, params.max_new_tokens)
+        versions: list[int] = []
+        stepped: list[Tensor] = []
         lengths = torch.full((batch,), params.max_new_tokens)
+        stopped = torch.zeros(batch, dtype=torch.bool)
+        active = torch.arange(batch)
         step_input, positions = tokens, (attention.cumsum(1) - 1).clamp(min=0)
-        cache_version = self._version
+        cache, cache_version = DynamicCache(config=self.model.config), self._version
         try:
-            for _ in range(params.max_new_tokens):
+            for step in range(params.max_new_tokens):
                 with self._gate.step():
                     if self._version != cache_version:
                         # The weights changed while paused: the prefix again under the new ones,
@@ -248,7 +253,7 @@ class LocalEngine:
                                 "weights (partial rollouts cannot record routing for R3)"
                             )
                         cache = DynamicCache(config=self.model.config)
-                        step_input = torch.cat([tokens, torch.stack(generated, 1)], 1)
+                        step_input = torch.cat([tokens[active], generated[active, :step]], 1)
                         positions = (attention.cumsum(1) - 1).clamp(min=0)
                         cache_version = self._version
                     output = self.model(
@@ -260,22 +265,31 @@ class LocalEngine:
                         **self._extra_inputs,
                     )
                 versions.append(cache_version)
+                stepped.append(active)
                 logits = output.logits[:, -1].float()
                 next_token = self._sample(logits, params, generator)
-                logprobs.append(torch.log_softmax(logits, -1).gather(1, next_token[:, None])[:, 0])
-                generated.append(torch.where(finished, 0, next_token))
-                is_stop = torch.isin(next_token, stop_ids) & ~finished
-                lengths[is_stop] = len(generated)
-                finished |= is_stop
-                if bool(finished.all()):
+                generated[active, step] = next_token
+                logprobs[active, step] = torch.log_softmax(logits, -1).gather(
+                    1, next_token[:, None]
+                )[:, 0]
+                ends = torch.isin(next_token, stop_ids)
+                lengths[active[ends]], stopped[active[ends]] = step + 1, True
+                if bool(ends.all()):
                     break
+                if bool(ends.any()):  # the rows that ended leave the batch and its cache
+                    going_on = (~ends).nonzero()[:, 0]
+                    cache.batch_select_indices(going_on)
+                    active, next_token = active[going_on], next_token[going_on]
+                    attention, positions = attention[going_on], positions[going_on]
                 step_input = next_token[:, None]
                 positions = positions[:, -1:] + 1
-                attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long)], 1)
+                attention = torch.cat([attention, torch.ones(len(active), 1, dtype=torch.long)], 1)
         finally:
             for hook in hooks:
                 hook.remove()
-        return self._samples(prompts, generated, logprobs, versions, lengths, finished, routing)
+        steps = len(versions)
+        samples = (generated[:, :steps], logprobs[:, :steps], versions, stepped)
+        return self._samples(prompts, *samples, lengths, stopped, routing)
 
     @staticmethod
     def _record_into(routing: list[Tensor]) -> Callable[..., None]:
@@ -304,19 +318,25 @@ class LocalEngine:
     def _samples(
         self,
         prompts: list[tuple[int, ...]],
-        generated: list[Tensor],
-        logprobs: list[Tensor],
+        tokens: Tensor,
+        token_logprobs: Tensor,
         versions: list[int],
+        stepped: list[Tensor],
         lengths: Tensor,
         stopped: Tensor,
         routing: list[Tensor],
     ) -> list[Sample]:
-        tokens = torch.stack(generated, 1)  # [batch, steps]
-        token_logprobs = torch.stack(logprobs, 1)
-        layers = len(self._routers)
+        """The rows' samples from `[batch, steps]` tokens and log-probs, per step the weights'
+        version and the rows that took part, and the router calls' records."""
+        layers, batch = len(self._routers), len(prompts)
         # Call 0 is the prefill over [batch * width] tokens; call k >= 1 feeds generated token
-        # k - 1 of every row. Each router call's output is [tokens, topk].
+        # k - 1 of the rows stepped[k]. Each router call's output is [tokens, topk]; decode
+        # calls are spread back over the whole batch here.
         calls = [torch.stack(routing[c : c + layers], 1) for c in range(0, len(routing), layers)]
+        for k in range(1, len(calls)):
+            whole = torch.full((batch, *calls[k].shape[1:]), -1, dtype=calls[k].dtype)
+            whole[stepped[k]] = calls[k]
+            calls[k] = whole
         width = max(len(p) for p in prompts)
         samples = []
         for row, prompt in enumerate(prompts):

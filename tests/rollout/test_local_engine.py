@@ -70,16 +70,23 @@ def test_greedy_and_stop_tokens(engine):
 
 
 def test_routed_experts_in_sglang_layout(engine):
-    groups = engine.generate(
-        PROMPTS, SamplingParams(max_new_tokens=5), seed=1, return_routed_experts=True
-    )
+    # Stop tokens end rows at different steps: a row that ends leaves the batch, and the rows
+    # that go on keep their own routing, tokens and log-probs.
+    first = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8), n=3, seed=1)
+    stops = tuple({group[1].response_ids[2] for group in first})
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=stops)
+    groups = engine.generate(PROMPTS, params, n=3, seed=1, return_routed_experts=True)
+    samples = [sample for group in groups for sample in group]
+    assert len({len(sample.response_ids) for sample in samples}) > 2
     recorded = []
     hooks = [
         r.register_forward_hook(lambda m, i, o: recorded.append(o[-1])) for r in engine._routers
     ]
     try:
-        for group in groups:
-            sample = group[0]
+        for sample in samples:
+            torch.testing.assert_close(
+                sample.logprobs, _full_forward_logprobs(engine, sample), atol=1e-5, rtol=0
+            )
             recorded.clear()
             with torch.no_grad():
                 engine.model(torch.tensor(sample.prompt_ids + sample.response_ids)[None])
