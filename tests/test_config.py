@@ -137,6 +137,10 @@ def test_every_shipped_recipe_loads_and_validates():
             r"rollout\.max_staleness: expected at most run\.steps = 3 .*got 4",
         ),
         (
+            ["rollout.local_process=true", "rollout.backend=sglang"],
+            r"rollout\.local_process: runs the local engine in a process of its own; rollout\.b",
+        ),
+        (
             ["rollout.partial_rollouts=true"],
             r"rollout\.partial_rollouts: needs rollout\.max_staleness >= 1",
         ),

@@ -47,7 +47,7 @@ def leave_signals_to_parent(*, ignored: Iterable[int] = ()) -> None:
     forks_die_with_this_process()
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Ask the kernel to SIGKILL this process when its parent dies; exit at once if the parent
     `parent_pid` is already gone (it may die between the fork and this call)."""
     if sys.platform == "linux":
@@ -63,7 +63,7 @@ def _remember_parent() -> None:
 
 
 def _in_forked_child() -> None:
-    _die_with_parent(_parent_pid)
+    die_with_parent(_parent_pid)
     _groups.clear()
     for signum in (*_IMMEDIATE, *_ignored_in_children):
         handler = signal.SIG_IGN if signum in _ignored_in_children else signal.SIG_DFL

@@ -12,6 +12,7 @@ from megatron_rl.files.hf_checkpoint import HFCheckpoint
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.local import LocalEngine
+from megatron_rl.rollout.local_process import LocalEngineProcess
 from megatron_rl.rollout.sglang import RetryPolicy, ServerGroup, SGLangEngine, make_weight_sync
 from megatron_rl.rollout.sglang.http import ServerConnection
 
@@ -36,11 +37,14 @@ def open_engine(
         routed_experts: the run needs the engine's routing (R3).
     """
     if rollout.backend == "local":
-        return LocalEngine.from_pretrained(
-            hf_path,
-            max_batch_size=rollout.max_batch_size,
-            dtype=getattr(torch, rollout.engine_dtype),
-        )
+        dtype = getattr(torch, rollout.engine_dtype)
+        if not rollout.local_process:
+            return LocalEngine.from_pretrained(
+                hf_path, max_batch_size=rollout.max_batch_size, dtype=dtype
+            )
+        engine = LocalEngineProcess(hf_path, max_batch_size=rollout.max_batch_size, dtype=dtype)
+        stack.callback(engine.close)
+        return engine
     config = rollout.sglang
     urls, managed = list(config.urls), None
     for url in urls:

@@ -28,6 +28,10 @@ class RolloutConfig:
     """Longest response in tokens."""
     max_batch_size: int = 256
     """Sequences the local engine generates at once."""
+    local_process: bool = False
+    """Run the local engine in a child process of its own (no GIL shared with the trainer;
+    weights and samples go over shared memory) rather than in the trainer's rank-0 process
+    (docs/training.md, Asynchronous rollouts)."""
     engine_dtype: Literal["float32", "bfloat16"] = "float32"
     """The local engine's weights and activations: bfloat16 makes its probabilities differ from
     a float32 trainer's as a production engine's do (SGLang's own: rollout.sglang.dtype)."""
@@ -75,6 +79,11 @@ class RolloutConfig:
         if self.max_staleness < 0:
             raise ConfigError(
                 f"rollout.max_staleness: expected >= 0 (0: lock-step), got {self.max_staleness}"
+            )
+        if self.local_process and self.backend != "local":
+            raise ConfigError(
+                f"rollout.local_process: runs the local engine in a process of its own; "
+                f"rollout.backend={self.backend} has its own servers"
             )
         if self.partial_rollouts and self.max_staleness == 0:
             raise ConfigError(

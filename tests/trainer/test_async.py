@@ -1,7 +1,8 @@
 """`megatron-rl train` with asynchronous rollouts (rollout.max_staleness=1) on the shipped tiny
 model and the in-process engine: each step trains on the samples of the version before the
 previous one, and a run resumed with more steps repeats the uninterrupted one to the last bit
-(the rollouts generated ahead ride in the checkpoint); with partial rollouts, the lag's bounds."""
+(the rollouts generated ahead ride in the checkpoint); the engine in a child process gives the
+same run; with partial rollouts, the lag's bounds."""
 
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ def test_a_run_resumed_with_more_steps_repeats_the_longer_run(tmp_path, whole_ru
     resumed = train_cli(tmp_path, [*RESUMED_RUN, *ONE_STEP_OFF], resume=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     check_repeats(whole_run, tmp_path, (2, 3))
+
+
+def test_the_engine_in_a_process_of_its_own_gives_the_same_run(tmp_path, whole_run):
+    result = train_cli(tmp_path, [*RESUMED_RUN, *ONE_STEP_OFF, "rollout.local_process=true"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_repeats(whole_run, tmp_path, (1, 2, 3))
 
 
 def test_with_partial_rollouts_each_token_lags_at_most_as_far_as_its_sample(tmp_path):
