@@ -5,8 +5,9 @@ same prompts (the arithmetic task's training problems of run.seed, in step order
 response length and one update per generation batch, each arm in a process of its own, one
 after the other on the same machine:
 
-- megatron-rl lock-step (`examples/moe/tiny_gspo.yaml`), with `rollout.max_staleness=1`, with
-  the engine's log-probs as the old ones (`algo.mismatch=bypass`), and with an SGLang server
+- megatron-rl lock-step (`examples/moe/tiny_gspo.yaml`), with `rollout.max_staleness=1` (the
+  engine on the trainer's thread, or in a process of its own), with the engine's log-probs as
+  the old ones (`algo.mismatch=bypass`), and with an SGLang server
   (`examples/moe/tiny_gspo_sglang.yaml`; needs .venv-sglang);
 - TRL 1.16's GRPOTrainer with importance_sampling_level="sequence" (GSPO), in its own
   environment (.venv-trl, made by scripts/install_trl_bench.sh; megatron_rl/bench/peers).
@@ -47,6 +48,10 @@ TRL_PEER = Path(__file__).resolve().parent / "peers" / "trl_grpo.py"
 MEGATRON_ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "megatron-rl lock-step": ("examples/moe/tiny_gspo.yaml", ()),
     "megatron-rl max_staleness=1": ("examples/moe/tiny_gspo.yaml", ("rollout.max_staleness=1",)),
+    "megatron-rl max_staleness=1, engine process": (
+        "examples/moe/tiny_gspo.yaml",
+        ("rollout.max_staleness=1", "rollout.local_process=true"),
+    ),
     "megatron-rl engine log-probs": ("examples/moe/tiny_gspo.yaml", ("algo.mismatch=bypass",)),
     "megatron-rl SGLang": ("examples/moe/tiny_gspo_sglang.yaml", ()),
 }
@@ -191,6 +196,8 @@ def _compute_floor(spec: RLStepBenchSpec, response_tokens: float) -> dict[str, f
 
 
 def run_benchmark(spec: RLStepBenchSpec, workdir: Path | None = None) -> dict[str, object]:
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)  # the scratch space's parent, kept
     with tempfile.TemporaryDirectory(dir=workdir) as scratch:
         arms = {
             arm: _trl_arm(spec, Path(scratch))
