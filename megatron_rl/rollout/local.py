@@ -288,8 +288,16 @@ class LocalEngine:
             for hook in hooks:
                 hook.remove()
         steps = len(versions)
-        samples = (generated[:, :steps], logprobs[:, :steps], versions, stepped)
-        return self._samples(prompts, *samples, lengths, stopped, routing)
+        return self._samples(
+            prompts,
+            generated[:, :steps],
+            logprobs[:, :steps],
+            versions,
+            stepped,
+            lengths,
+            stopped,
+            routing,
+        )
 
     @staticmethod
     def _record_into(routing: list[Tensor]) -> Callable[..., None]:

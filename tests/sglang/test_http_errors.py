@@ -171,7 +171,10 @@ def _versioned(spans) -> dict:
             [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 0, "end": 2}],
             r"weight_versions = .*expected contiguous spans from token 0 to 2",
         ),
-        ([{"version": "default", "start": 0, "end": 2}], r"names version 'default'"),
+        (
+            [{"version": "3", "start": 0, "end": 1}, {"version": "base", "start": 1, "end": 2}],
+            r"names version 'base'",
+        ),
     ],
     ids=["short", "overlapping", "not_a_number"],
 )
@@ -184,12 +187,18 @@ def test_wrong_weight_version_marks_are_a_clear_error(scripted, spans, message):
 def test_weight_version_marks_become_each_tokens_version(scripted):
     two = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 2}]
     one = [{"version": "4", "start": 0, "end": 2}]
-    server = scripted([(200, json.dumps(_versioned(two))), (200, json.dumps(_versioned(one)))])
+    # the weights the server started with go by another name: the engine's version (-1 here)
+    started = [{"version": "default", "start": 0, "end": 1}, {"version": "0", "start": 1, "end": 2}]
+    answers = [two, one, started, [{"version": "default", "start": 0, "end": 2}]]
+    server = scripted([(200, json.dumps(_versioned(spans))) for spans in answers])
     engine = _engine(server.url)
-    (sample,) = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0]
-    assert (sample.weight_version, sample.token_versions) == (3, (3, 4))
-    (sample,) = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0]
-    assert (sample.weight_version, sample.token_versions) == (4, None)
+    got = [engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0][0] for _ in answers]
+    assert [(s.weight_version, s.token_versions) for s in got] == [
+        (3, (3, 4)),
+        (4, None),
+        (-1, (-1, 0)),
+        (-1, None),
+    ]
 
 
 def test_routed_experts_of_the_wrong_size_are_refused(scripted):

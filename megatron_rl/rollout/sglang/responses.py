@@ -113,7 +113,7 @@ def _sample(
     token_versions = None
     spans = item["meta_info"].get("weight_versions")
     if spans is not None:
-        token_versions = _token_versions(spans, len(output_ids), where)
+        token_versions = _token_versions(spans, len(output_ids), weight_version, where)
         weight_version = token_versions[0]
         if len(set(token_versions)) == 1:
             token_versions = None
@@ -128,10 +128,13 @@ def _sample(
     )
 
 
-def _token_versions(spans: Any, length: int, where: str) -> tuple[int, ...]:
-    """Per output token, the weight version of `meta_info.weight_versions`'s span holding it."""
+def _token_versions(spans: Any, length: int, first_version: int, where: str) -> tuple[int, ...]:
+    """Per output token, the weight version of `meta_info.weight_versions`'s span holding it.
+    The trainer's updates name versions by integers; the weights a server started with have
+    another name ("default", a directory's tag), which only the first span can carry: its tokens
+    are then `first_version`'s (the engine's when it sent the request)."""
     versions: list[int] = []
-    for span in spans if isinstance(spans, list) else [spans]:
+    for index, span in enumerate(spans if isinstance(spans, list) else [spans]):
         fields = span if isinstance(span, dict) else {}
         version, start, end = fields.get("version"), fields.get("start"), fields.get("end")
         if start != len(versions) or not isinstance(end, int) or end <= start:
@@ -139,6 +142,8 @@ def _token_versions(spans: Any, length: int, where: str) -> tuple[int, ...]:
                 f"{where}: meta_info.weight_versions = {spans!r}: expected contiguous spans "
                 f"from token 0 to {length}"
             )
+        if index == 0 and not str(version).lstrip("-").isdigit():
+            version = first_version
         try:
             versions += [int(version)] * (end - start)
         except (TypeError, ValueError):
