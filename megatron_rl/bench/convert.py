@@ -3,9 +3,11 @@
 A synthetic Qwen3-MoE-shaped Hugging Face checkpoint (random bfloat16 weights, about 2 GB by
 default) is written first. Then, in one run, each step a fresh process started with nothing left
 to flush: three copies of it (see COPIES), then `megatron-rl convert hf-to-mcore` and
-`megatron-rl convert mcore-to-hf`, with the peak resident memory of each. Targets: each
-conversion takes at most 3x the copy time, with peak memory below 2x the largest safetensors
-shard.
+`megatron-rl convert mcore-to-hf`, with the peak resident memory of each. At two sizes or more
+(`--layers 24 96`: about 2 and 8 GB) the time of each step is also fitted over the size: the
+fixed cost (start-up, megatron-core's own save) and the cost per byte. Targets: each
+conversion's cost per byte at most 3x `cp` + `sync`'s, with peak memory below 2x the largest
+safetensors shard.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -246,14 +248,14 @@ def time_checkpoint_keys(layers: int, experts: int, workdir: Path) -> dict[str, 
     return times
 
 
-def run_benchmark(spec: ConvertBenchSpec, workdir: Path, rounds: int = 3) -> dict[str, object]:
-    """`rounds` rounds of every step; each step's median time and its highest peak memory."""
-    if workdir.exists():
-        shutil.rmtree(workdir)
+def _measure_size(spec: ConvertBenchSpec, workdir: Path, rounds: int) -> dict[str, object]:
+    """`rounds` rounds of every step on a checkpoint of `spec`'s shape; each step's median time
+    and its highest peak memory."""
     hf_dir = workdir / "hf"
     weight_bytes = write_synthetic_checkpoint(spec, hf_dir)
     largest_shard = max(p.stat().st_size for p in hf_dir.glob("*.safetensors"))
     runs = [_round(spec, workdir, hf_dir) for _ in range(rounds)]
+    shutil.rmtree(hf_dir)
     steps = {
         name: {
             "seconds": statistics.median(run[name]["seconds"] for run in runs),
@@ -262,9 +264,8 @@ def run_benchmark(spec: ConvertBenchSpec, workdir: Path, rounds: int = 3) -> dic
         }
         for name in runs[0]
     }
-    report = {
-        "spec": asdict(spec),
-        "rounds": rounds,
+    return {
+        "num_layers": spec.num_layers,
         "weight_bytes": weight_bytes,
         "largest_shard_bytes": largest_shard,
         "steps": steps,
@@ -275,23 +276,81 @@ def run_benchmark(spec: ConvertBenchSpec, workdir: Path, rounds: int = 3) -> dic
         "peak_vs_largest_shard": {
             k: steps[k]["peak_rss_kib"] * 1024 / largest_shard for k in CONVERSIONS
         },
+    }
+
+
+def fit_marginal_cost(sizes: list[dict]) -> dict[str, dict[str, float]]:
+    """Per copy and conversion, the least-squares line of its time over the checkpoint's size:
+    the fixed cost (`intercept_s`) and the cost per GiB (`slope_s_per_gib`), from two sizes or
+    more."""
+    if len({size["weight_bytes"] for size in sizes}) < 2:
+        raise ValueError("sizes: the fit needs checkpoints of two sizes or more")
+    gib = [size["weight_bytes"] / 2**30 for size in sizes]
+    mean_gib = statistics.fmean(gib)
+    fit = {}
+    for step in (*COPIES, *CONVERSIONS):
+        seconds = [size["steps"][step]["seconds"] for size in sizes]
+        mean_s = statistics.fmean(seconds)
+        slope = sum((g - mean_gib) * (t - mean_s) for g, t in zip(gib, seconds, strict=True)) / sum(
+            (g - mean_gib) ** 2 for g in gib
+        )
+        fit[step] = {"slope_s_per_gib": slope, "intercept_s": mean_s - slope * mean_gib}
+    return fit
+
+
+def run_benchmark(
+    spec: ConvertBenchSpec, workdir: Path, rounds: int = 3, layer_counts: tuple[int, ...] = ()
+) -> dict[str, object]:
+    """Every step at `spec`'s size, or at each of `layer_counts` layers (two or more: also the
+    fit of time over size). The report's top-level figures are the largest size's."""
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    counts = sorted(layer_counts) or [spec.num_layers]
+    sizes = [
+        _measure_size(replace(spec, num_layers=count), workdir / f"layers-{count}", rounds)
+        for count in counts
+    ]
+    report = {
+        "spec": asdict(spec),
+        "rounds": rounds,
+        **sizes[-1],
+        "sizes": sizes,
         "checkpoint_keys": time_checkpoint_keys(
             spec.keys_layers, spec.keys_experts, workdir / "keys"
         ),
         "machine": machine(),
         "date": now(),
     }
+    if len(sizes) > 1:
+        fit = fit_marginal_cost(sizes)
+        report["fit"] = fit
+        report["slope_vs"] = {
+            copy: {k: fit[k]["slope_s_per_gib"] / fit[copy]["slope_s_per_gib"] for k in CONVERSIONS}
+            for copy in COPIES
+        }
     shutil.rmtree(workdir)
     return report
 
 
 def format_markdown(report: dict) -> str:
-    steps = report["steps"]
     lines = [
-        f"Synthetic Qwen3-MoE checkpoint, {report['weight_bytes'] / 2**30:.2f} GiB of bfloat16 "
-        f"weights, largest shard {report['largest_shard_bytes'] / 2**30:.2f} GiB; "
-        f"{report['machine']['cpu']}, {report['machine']['cores']} cores, {report['date']}. "
-        f"Median of {report['rounds']} rounds; peak memory is the highest of them.",
+        f"Synthetic Qwen3-MoE checkpoints of bfloat16 weights; {report['machine']['cpu']}, "
+        f"{report['machine']['cores']} cores, {report['date']}. Median of {report['rounds']} "
+        "rounds; peak memory is the highest of them.",
+    ]
+    for size in report.get("sizes", [report]):
+        lines += ["", *_size_table(size)]
+    if "fit" in report:
+        lines += ["", *_fit_table(report)]
+    lines += _keys_table(report["spec"], report)
+    return "\n".join(lines)
+
+
+def _size_table(size: dict) -> list[str]:
+    steps = size["steps"]
+    lines = [
+        f"{size['weight_bytes'] / 2**30:.2f} GiB, largest shard "
+        f"{size['largest_shard_bytes'] / 2**30:.2f} GiB:",
         "",
         "| step | time (s) | "
         + " | ".join(f"x ({COPY_LABELS[c]})" for c in COPIES)
@@ -307,15 +366,51 @@ def format_markdown(report: dict) -> str:
         f"{blanks} | | |"
     )
     for step in CONVERSIONS:
-        ratios = [f"{report['time_vs'][c][step]:.2f}" for c in COPIES]
+        ratios = [f"{size['time_vs'][c][step]:.2f}" for c in COPIES]
         lines.append(
             f"| {step} | {steps[step]['seconds']:.1f} | "
             + " | ".join(ratios)
             + f" | {steps[step]['peak_rss_kib'] / 2**20:.2f} | "
-            f"{report['peak_vs_largest_shard'][step]:.2f} |"
+            f"{size['peak_vs_largest_shard'][step]:.2f} |"
         )
-    spec = report["spec"]
-    lines += [
+    return lines
+
+
+# Qwen3-30B-A3B in bfloat16: about 61 GB of weights (30.5 B parameters).
+PROJECTED_BYTES = 61 * 10**9
+
+
+def _fit_table(report: dict) -> list[str]:
+    fit, gib = report["fit"], PROJECTED_BYTES / 2**30
+    lines = [
+        "Time over size, least squares over the sizes above: the fixed cost, the cost per GiB, "
+        f"that slope against each copy's, and the line at {PROJECTED_BYTES / 1e9:.0f} GB "
+        "(Qwen3-30B-A3B in bfloat16):",
+        "",
+        "| step | fixed (s) | s per GiB | "
+        + " | ".join(f"slope x ({COPY_LABELS[c]})" for c in COPIES)
+        + f" | at {PROJECTED_BYTES / 1e9:.0f} GB (s) |",
+        "|---|---|---|" + "---|" * len(COPIES) + "---|",
+    ]
+    for step in (*COPIES, *CONVERSIONS):
+        line = fit[step]
+        ratios = (
+            [f"{report['slope_vs'][c][step]:.2f}" for c in COPIES]
+            if step in CONVERSIONS
+            else ["1.00" if c == step else "" for c in COPIES]
+        )
+        label = COPY_LABELS.get(step, step)
+        projected = line["intercept_s"] + line["slope_s_per_gib"] * gib
+        lines.append(
+            f"| {label} | {line['intercept_s']:.1f} | {line['slope_s_per_gib']:.2f} | "
+            + " | ".join(ratios)
+            + f" | {projected:.0f} |"
+        )
+    return lines
+
+
+def _keys_table(spec: dict, report: dict) -> list[str]:
+    lines = [
         "",
         f"Checkpoint bookkeeping: save and load of a narrow model (hidden 64) with "
         f"{spec['keys_layers']} layers x {spec['keys_experts']} experts, one process.",
@@ -328,7 +423,7 @@ def format_markdown(report: dict) -> str:
         lines.append(
             f"| {version}: {label} | {times['save_seconds']:.1f} | {times['load_seconds']:.1f} |"
         )
-    return "\n".join(lines)
+    return lines
 
 
 def write_report(report: dict, out_dir: Path) -> tuple[Path, Path]:

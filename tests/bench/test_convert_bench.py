@@ -1,7 +1,10 @@
-"""The conversion benchmark runs end to end on a small synthetic model and reports its figures.
-(A smoke test: the figures themselves come from `megatron-rl bench convert`.)"""
+"""The conversion benchmark runs end to end on small synthetic models of two sizes and reports
+its figures and their fit over the size (a smoke test: the figures themselves come from
+`megatron-rl bench convert`); the fit is the line through the sizes."""
 
 from __future__ import annotations
+
+import pytest
 
 from megatron_rl.bench import convert as convert_bench
 
@@ -16,8 +19,16 @@ def test_bench_convert_runs_and_reports(tmp_path):
         keys_layers=2,
         keys_experts=4,
     )
-    report = convert_bench.run_benchmark(spec, tmp_path / "work", rounds=1)
+    report = convert_bench.run_benchmark(spec, tmp_path / "work", rounds=1, layer_counts=(2, 1))
     assert not (tmp_path / "work").exists()  # scratch space removed
+    assert [size["num_layers"] for size in report["sizes"]] == [1, 2]  # the largest on top
+    assert report["weight_bytes"] == report["sizes"][1]["weight_bytes"]
+    assert report["sizes"][0]["weight_bytes"] < report["weight_bytes"]
+    assert set(report["fit"]) == {*convert_bench.COPIES, *convert_bench.CONVERSIONS}
+    for step in convert_bench.CONVERSIONS:
+        assert report["slope_vs"]["cp+sync"][step] == (
+            report["fit"][step]["slope_s_per_gib"] / report["fit"]["cp+sync"]["slope_s_per_gib"]
+        )
     assert report["weight_bytes"] > 0 and report["largest_shard_bytes"] == report["weight_bytes"]
     for step in (*convert_bench.COPIES, convert_bench.STARTUP, *convert_bench.CONVERSIONS):
         assert len(report["steps"][step]["runs_seconds"]) == 1
@@ -36,3 +47,24 @@ def test_bench_convert_runs_and_reports(tmp_path):
     json_path, md_path = convert_bench.write_report(report, tmp_path / "out")
     assert json_path.is_file() and "| hf-to-mcore |" in md_path.read_text()
     assert "| 2: a key per layer and expert |" in md_path.read_text()
+    assert "| hf-to-mcore | " in md_path.read_text() and "s per GiB" in md_path.read_text()
+
+
+def _size(gib: float, seconds: dict[str, float]) -> dict:
+    return {"weight_bytes": gib * 2**30, "steps": {k: {"seconds": v} for k, v in seconds.items()}}
+
+
+def test_the_fit_is_the_line_through_the_sizes():
+    steps = (*convert_bench.COPIES, *convert_bench.CONVERSIONS)
+    # time = fixed + per_gib * size, exactly, at 2, 4 and 8 GiB
+    lines = {step: (1.0 + i, 0.5 * (i + 1)) for i, step in enumerate(steps)}
+    sizes = [
+        _size(gib, {step: fixed + per_gib * gib for step, (fixed, per_gib) in lines.items()})
+        for gib in (2.0, 4.0, 8.0)
+    ]
+    fit = convert_bench.fit_marginal_cost(sizes)
+    for step, (fixed, per_gib) in lines.items():
+        assert fit[step]["intercept_s"] == pytest.approx(fixed)
+        assert fit[step]["slope_s_per_gib"] == pytest.approx(per_gib)
+    with pytest.raises(ValueError, match="sizes: the fit needs checkpoints of two sizes or more"):
+        convert_bench.fit_marginal_cost(sizes[:1] * 2)
