@@ -14,6 +14,7 @@ import torch
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine, WeightUpdateError
 from tests.checkpoint.tiny_hf import save_tiny
+from tests.rollout.version_marks import logprobs_by_mark
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
 
@@ -224,13 +225,7 @@ def test_a_generation_paused_for_new_weights_marks_each_tokens_version(tmp_path)
         assert sample.weight_version == 0
         assert sample.token_versions == (0,) * 4 + (1,) * 5
         assert sample.response_versions() == list(sample.token_versions)
-        by_version = {
-            0: _full_forward_logprobs(old, sample),
-            1: _full_forward_logprobs(new, sample),
-        }
-        expected = torch.cat(
-            [by_version[v][i : i + 1] for i, v in enumerate(sample.token_versions)]
-        )
+        expected = logprobs_by_mark(sample, {0: old, 1: new})
         torch.testing.assert_close(sample.logprobs, expected, atol=1e-5, rtol=0)
     # A generation the weights did not change under carries no marks.
     (after,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=3))[0]

@@ -17,6 +17,7 @@ from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine, WeightUpdateError
 from megatron_rl.rollout.local_process import LocalEngineProcess
 from tests.checkpoint.tiny_hf import save_tiny
+from tests.rollout.version_marks import logprobs_by_mark
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
 
@@ -80,14 +81,11 @@ def test_a_weight_update_pauses_the_childs_generation_in_flight(child, checkpoin
     with child.paused():
         child.update_weights([checkpoints[1][1]], 1)
     generation.join()
-    references = [LocalEngine.from_pretrained(path) for path, _ in checkpoints]
+    references = dict(enumerate(LocalEngine.from_pretrained(path) for path, _ in checkpoints))
     for sample in (sample for group in answers["groups"] for sample in group):
         versions = sample.response_versions()
         assert versions == sorted(versions) and set(versions) <= {0, 1}
-        sequence = list(sample.prompt_ids + sample.response_ids)
-        start = len(sample.prompt_ids) - 1
-        scores = {v: references[v].score([sequence])[0][start:] for v in set(versions)}
-        expected = torch.stack([scores[v][i] for i, v in enumerate(versions)])
+        expected = logprobs_by_mark(sample, references)
         torch.testing.assert_close(sample.logprobs, expected, atol=1e-5, rtol=0)
 
 

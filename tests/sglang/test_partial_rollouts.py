@@ -12,6 +12,7 @@ import torch
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.rollout.sglang import SGLangEngine, make_weight_sync
+from tests.rollout.version_marks import logprobs_by_mark
 from tests.sglang.conftest import TINY_MODEL, tiny_tensor_shapes
 from tests.sglang.test_weight_sync import _perturbed_buckets
 
@@ -51,12 +52,9 @@ def test_a_generation_paused_for_a_weight_update_marks_each_tokens_version(
         versions = sample.response_versions()
         assert sample.weight_version == versions[0]
         assert versions == sorted(versions) and set(versions) <= {0, 1}
-        sequence = list(sample.prompt_ids + sample.response_ids)
-        start = len(sample.prompt_ids) - 1
-        by_version = {v: references[v].score([sequence])[0][start:] for v in set(versions)}
-        expected = torch.stack([by_version[v][i] for i, v in enumerate(versions)])
         # SGLang recomputes the prefix under the new weights (retract): each token's log-prob
         # is exactly its version's
+        expected = logprobs_by_mark(sample, references)
         torch.testing.assert_close(sample.logprobs, expected, atol=1e-4, rtol=0)
     for sample in partial:
         assert sample.response_versions()[0] == 0 and sample.response_versions()[-1] == 1
