@@ -12,14 +12,11 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_rl.models.config import Dispatcher, MoEModelConfig
 from megatron_rl.parallel.dims import ParallelDims
@@ -36,19 +33,37 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def _moe_layer_pattern(model: MoEModelConfig) -> int | list[int]:
+    """megatron-core's moe_layer_freq: 1 for every layer MoE, else one 0/1 per layer. The int
+    keeps format-1 checkpoints' keys (a per-layer pattern makes megatron-core key every layer
+    on its own, as format 2 does anyway)."""
+    if model.first_dense_layers == 0:
+        return 1
+    return [int(layer in model.moe_layers) for layer in range(model.num_layers)]
+
+
 def _moe_options(
     model: MoEModelConfig, dispatcher: Dispatcher, routing_replay: bool
 ) -> dict[str, Any]:
-    """TransformerConfig's MoE fields: experts, router, dispatcher, replay."""
+    """TransformerConfig's MoE fields: which layers have experts, the experts, the router, the
+    dispatcher, replay."""
     if dispatcher not in ("alltoall", "allgather"):
         raise ValueError(f"dispatcher: expected 'alltoall' or 'allgather', got {dispatcher!r}")
     return {
         "num_moe_experts": model.num_experts,
+        "moe_layer_freq": _moe_layer_pattern(model),
         "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
         "moe_router_topk": model.router_topk,
         "moe_shared_expert_intermediate_size": model.shared_expert_ffn_hidden_size,
         "moe_router_score_function": model.router_score_function,
         "moe_router_pre_softmax": model.router_pre_softmax,
+        "moe_router_enable_expert_bias": model.router_expert_bias,
+        # The score-correction bias stays as loaded (see MoEModelConfig.router_expert_bias).
+        "moe_router_bias_update_rate": 0.0,
+        "moe_router_num_groups": model.router_num_groups,
+        "moe_router_group_topk": model.router_group_topk,
+        "moe_router_topk_scaling_factor": model.router_topk_scaling_factor,
+        "moe_router_dtype": "fp32" if model.router_float32 else None,
         "moe_router_load_balancing_type": "aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
         "moe_aux_loss_coeff": model.moe_aux_loss_coeff,
         "moe_token_dispatcher_type": dispatcher,
@@ -72,6 +87,39 @@ def _parallel_options(dims: ParallelDims, recompute: bool) -> dict[str, Any]:
     }
 
 
+def _attention_options(model: MoEModelConfig) -> dict[str, Any]:
+    """The attention fields: GQA's, or multi-latent attention's (MLATransformerConfig's)."""
+    if not model.multi_latent_attention:
+        return {
+            "num_query_groups": model.num_query_groups,
+            "kv_channels": model.kv_channels,
+            "qk_layernorm": model.qk_layernorm,
+            "add_qkv_bias": model.qkv_bias,
+        }
+    options: dict[str, Any] = {
+        "multi_latent_attention": True,
+        "q_lora_rank": model.q_lora_rank,
+        "kv_lora_rank": model.kv_lora_rank,
+        "qk_head_dim": model.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": model.qk_rope_head_dim,
+        "v_head_dim": model.v_head_dim,
+        # MLA's latent norms are the spec's q/k layernorms.
+        "qk_layernorm": True,
+        "rotary_base": model.rope_theta,
+        "rope_type": "rope" if model.yarn_factor is None else "yarn",
+    }
+    if model.yarn_factor is not None:
+        options |= {
+            "rotary_scaling_factor": model.yarn_factor,
+            "original_max_position_embeddings": model.yarn_original_max_position_embeddings,
+            "beta_fast": model.yarn_beta_fast,
+            "beta_slow": model.yarn_beta_slow,
+            "mscale": model.yarn_mscale,
+            "mscale_all_dim": model.yarn_mscale_all_dim,
+        }
+    return options
+
+
 def transformer_config(
     model: MoEModelConfig,
     dims: ParallelDims,
@@ -90,14 +138,12 @@ def transformer_config(
     """
     model.check_split(dims)
     dtype = model.torch_dtype
-    return TransformerConfig(
+    config_class = MLATransformerConfig if model.multi_latent_attention else TransformerConfig
+    return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        kv_channels=model.kv_channels,
         ffn_hidden_size=model.ffn_hidden_size,
-        qk_layernorm=model.qk_layernorm,
         layernorm_epsilon=model.norm_eps,
         normalization="RMSNorm",
         gated_linear_unit=True,
@@ -119,22 +165,17 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_backend=AttnBackend.auto if use_te else AttnBackend.local,
+        **_attention_options(model),
         **_moe_options(model, dispatcher, routing_replay),
         **_parallel_options(dims, recompute),
     )
 
 
-def layer_spec(model: MoEModelConfig, *, use_te: bool) -> ModuleSpec:
-    """Transformer-layer spec: TE modules on GPU when available, megatron-core's torch ones else."""
-    if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=model.num_experts, moe_grouped_gemm=False, qk_layernorm=model.qk_layernorm
-        )
-    return get_gpt_layer_local_spec(
-        num_experts=model.num_experts,
-        moe_grouped_gemm=False,
-        qk_layernorm=model.qk_layernorm,
-        normalization="RMSNorm",
+def block_spec(config: TransformerConfig, *, use_te: bool) -> TransformerBlockSubmodules:
+    """The layers of this pipeline stage, dense or MoE as `config.moe_layer_freq` says: TE modules
+    on GPU when available, megatron-core's torch ones else."""
+    return get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization="RMSNorm"
     )
 
 
@@ -163,7 +204,7 @@ def build_gpt_moe(
     )
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model, use_te=use_te),
+        transformer_layer_spec=block_spec(config, use_te=use_te),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -171,6 +212,7 @@ def build_gpt_moe(
         share_embeddings_and_output_weights=model.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(model.rope_theta),
+        rotary_percent=model.rotary_percent,
         parallel_output=True,
     )
     if dims.ep == 1 and dims.etp != dims.tp:

@@ -67,21 +67,33 @@ class TPLayout:
     size: int
 
 
-def _split_dim(module: torch.nn.Module) -> int | None:
-    """Which weight dimension a module splits over tensor parallelism (None: not split).
+def model_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The tensors a Hugging Face checkpoint holds for `model`, by local name: its parameters,
+    and its persistent buffers (the router's score-correction bias, which is not trained)."""
+    yield from model.named_parameters()
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield f"{module_name}.{name}" if module_name else name, buffer
+
+
+def _split_dims(module: torch.nn.Module) -> dict[str, int]:
+    """Which dimension of each of a module's tensors tensor parallelism splits (absent: not
+    split): a column-parallel layer splits its outputs, weight and bias; a row-parallel layer
+    its inputs (its bias is whole).
 
     Read from the module's kind, not from parameter attributes: megatron-core sets those only
     when it initialises the weights, which a model built to be loaded skips."""
     if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
-        return 0
+        return {"weight": 0, "bias": 0}
     if isinstance(module, RowParallelLinear):
-        return 1
+        return {"weight": 1}
     mode = getattr(module, "parallel_mode", None)  # Transformer Engine's linear layers
-    return {"column": 0, "row": 1}.get(mode)
+    return {"column": {"weight": 0, "bias": 0}, "row": {"weight": 1}}.get(mode, {})
 
 
 def tp_layouts(model: torch.nn.Module) -> dict[str, TPLayout]:
-    """The tensor-parallel layout of every parameter, by its local name."""
+    """The tensor-parallel layout of every weight (`model_weights`), by its local name."""
     dense = (
         parallel_state.get_tensor_model_parallel_group(),
         parallel_state.get_tensor_model_parallel_rank(),
@@ -94,17 +106,16 @@ def tp_layouts(model: torch.nn.Module) -> dict[str, TPLayout]:
     )
     split_weights = {}
     for module_name, module in model.named_modules():
-        dim = _split_dim(module)
-        if dim is not None:
-            split_weights[f"{module_name}.weight" if module_name else "weight"] = dim
+        for tensor, dim in _split_dims(module).items():
+            split_weights[f"{module_name}.{tensor}" if module_name else tensor] = dim
     glu = model.config.gated_linear_unit
     layouts = {}
-    for name, _ in model.named_parameters():
+    for name, _ in model_weights(model):
         group, rank, size = expert if ".mlp.experts." in name else dense
         dim = split_weights.get(name) if size > 1 else None
         layouts[name] = TPLayout(
             dim=dim,
-            glu=glu and name.endswith("linear_fc1.weight"),
+            glu=glu and name.endswith(("linear_fc1.weight", "linear_fc1.bias")),
             group=group,
             rank=rank,
             size=size,
@@ -179,7 +190,7 @@ def plan_hf_load(
     bound = bind_rules(family, config)
     layouts = tp_layouts(model)
     entries = []
-    for local_name, param in model.named_parameters():
+    for local_name, param in model_weights(model):
         rule = _rule_for(bound, global_name(model, local_name), config)
         layout = layouts[local_name]
         expected = expected_hf_shapes(rule, _full_shape(param, layout), config)
@@ -253,7 +264,7 @@ class HFWeightStream:
         self.rules = bind_rules(family, config)
         self.mine: dict[str, tuple[Tensor, TPLayout]] = {}
         layouts = tp_layouts(model)
-        for local_name, param in model.named_parameters():
+        for local_name, param in model_weights(model):
             name = global_name(model, local_name)
             if not (config.tie_word_embeddings and name == TIED_OUTPUT):
                 self.mine[name] = (param, layouts[local_name])

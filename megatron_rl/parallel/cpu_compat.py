@@ -344,6 +344,43 @@ def _tied_embeddings_on_host() -> None:
     )
 
 
+def _mla_without_te() -> None:
+    # transformer/multi_latent_attention.py:50-63 sets HAVE_TE = True whenever
+    # extensions/transformer_engine.py imports, and that module imports without Transformer
+    # Engine too (it stands TE in with a MagicMock), so TELinear is a MagicMock; line 185 then
+    # calls isinstance(linear_proj, TELinear) and every MLA layer fails to build (TypeError).
+    from megatron.core.transformer import multi_latent_attention
+
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        _patch("mla_without_te", multi_latent_attention, "HAVE_TE", False)
+
+
+def _mla_local_core_attention() -> None:
+    # transformer/multi_latent_attention.py:155 builds its core attention with k_channels and
+    # v_channels (MLA's query/key heads are wider than its value heads); the local spec's
+    # DotProductAttention (transformer/dot_product_attention.py:42) takes neither (TypeError),
+    # and sizes its output by kv_channels (line 228). It takes them here and sizes its output by
+    # the value heads; its matmuls already follow the tensors' own widths.
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    upstream_init = DotProductAttention.__init__
+
+    def init_with_head_widths(
+        self: DotProductAttention,
+        *args: Any,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        upstream_init(self, *args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    _patch("mla_local_core_attention", DotProductAttention, "__init__", init_with_head_widths)
+
+
 @dataclass(frozen=True)
 class CpuPatch:
     name: str
@@ -362,6 +399,8 @@ PATCHES = (
     CpuPatch("clip_grads_on_host", _clip_grads_on_host),
     CpuPatch("optimizer_host_params", _optimizer_host_params),
     CpuPatch("tied_embeddings_on_host", _tied_embeddings_on_host),
+    CpuPatch("mla_without_te", _mla_without_te),
+    CpuPatch("mla_local_core_attention", _mla_local_core_attention),
 )
 
 

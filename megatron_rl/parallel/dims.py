@@ -9,6 +9,7 @@ order "tp-cp-ep-dp-pp").
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from megatron_rl.config import ConfigError
@@ -117,8 +118,10 @@ class ParallelDims(ParallelConfig):
         num_experts: int,
         moe_ffn_hidden_size: int,
         ffn_hidden_size: int,
+        more_tp_splits: Mapping[str, int] | None = None,
     ) -> None:
-        """Raise a ValueError, with the arithmetic, if the model cannot be split this way."""
+        """Raise a ValueError, with the arithmetic, if the model cannot be split this way.
+        `more_tp_splits` names further widths that tensor parallelism splits."""
         rules = [
             ("num_layers", num_layers, "pp", self.pp),
             ("num_attention_heads", num_attention_heads, "tp", self.tp),
@@ -127,6 +130,7 @@ class ParallelDims(ParallelConfig):
             ("num_experts", num_experts, "ep", self.ep),
             ("moe_ffn_hidden_size", moe_ffn_hidden_size, "etp", self.etp),
             ("ffn_hidden_size", ffn_hidden_size, "tp", self.tp),
+            *((field, size, "tp", self.tp) for field, size in (more_tp_splits or {}).items()),
         ]
         for field, size, dim, parts in rules:
             if size % parts != 0:

@@ -40,7 +40,9 @@ def logits_match(launch: LaunchEnv, hf_dir: str, layout: dict) -> dict:
         0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1)
     )
     with torch.no_grad():
-        local = model(tokens, torch.arange(24).expand(2, 24), attention_mask=None)
+        local = _forward_through_stages(model, tokens, config.hidden_size)
+        if local is None:
+            return {}  # not the last pipeline stage
         tp = parallel_state.get_tensor_model_parallel_world_size()
         parts = [torch.empty_like(local) for _ in range(tp)]
         dist.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
@@ -51,6 +53,23 @@ def logits_match(launch: LaunchEnv, hf_dir: str, layout: dict) -> dict:
         "max_abs_diff": float((megatron_logits - hf_logits).abs().max()),
         "logit_scale": float(hf_logits.abs().max()),
     }
+
+
+def _forward_through_stages(
+    model: torch.nn.Module, tokens: torch.Tensor, hidden_size: int
+) -> torch.Tensor | None:
+    """This stage's part of the forward: the previous stage's hidden states `[s, b, h]` in,
+    this stage's out to the next one; the logits on the last stage, None elsewhere."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    if not parallel_state.is_pipeline_first_stage():
+        hidden = torch.empty(tokens.shape[1], tokens.shape[0], hidden_size)
+        dist.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+    output = model(tokens, positions, attention_mask=None)
+    if parallel_state.is_pipeline_last_stage():
+        return output
+    dist.send(output.contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
+    return None
 
 
 def convert_both_ways(launch: LaunchEnv, hf_dir: str, workdir: str, layout: dict) -> dict:

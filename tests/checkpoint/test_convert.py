@@ -1,6 +1,7 @@
-"""Hugging Face <-> Megatron-Core conversion for Qwen3-MoE and Mixtral: logits agree, the round
-trip is bit-exact, the weight stream yields every tensor once, at 1 process, TP=2, EP=2 and PP=2,
-with untied and tied embeddings."""
+"""Hugging Face <-> Megatron-Core conversion for every family (Qwen3-MoE, Mixtral, DeepSeek-V3,
+GLM-4.5): logits agree, the round trip is bit-exact, the weight stream yields every tensor once,
+at 1 process, TP=2 with EP=2, and PP=2 (for DeepSeek-V3 and GLM-4.5 the first stage holds the
+dense layer and an MoE layer), with untied and tied embeddings."""
 
 from __future__ import annotations
 
@@ -23,8 +24,14 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"])
 def hf_dir(request, tmp_path_factory):
+    return save_tiny(request.param, tmp_path_factory.mktemp(request.param) / "hf")
+
+
+# Format 1 predates the families with dense layers: no checkpoint of theirs has it.
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def format_1_hf_dir(request, tmp_path_factory):
     return save_tiny(request.param, tmp_path_factory.mktemp(request.param) / "hf")
 
 
@@ -36,10 +43,13 @@ def _all_tensors(directory):
 
 
 # tp2_ep2 splits the dense layers by TP and the experts by EP at once
-@pytest.mark.parametrize("layout", ["single", "tp2_ep2"])
+@pytest.mark.parametrize("layout", ["single", "tp2_ep2", "pp2"])
 def test_logits_of_converted_model_match_hugging_face(hf_dir, layout):
     dims, world = LAYOUTS[layout]
-    for report in run_on_ranks(convert_worker.logits_match, str(hf_dir), dims, world_size=world):
+    reports = run_on_ranks(convert_worker.logits_match, str(hf_dir), dims, world_size=world)
+    last_stages = [report for report in reports if report]  # only they have logits
+    assert len(last_stages) == (1 if layout == "pp2" else world)
+    for report in last_stages:
         assert report["logit_scale"] > 0.1
         assert report["max_abs_diff"] <= 1e-4, report
 
@@ -91,20 +101,22 @@ def _assert_same_tensors(directory, reference):
 
 
 @pytest.mark.parametrize("format_version", [1, 2])
-def test_checkpoint_of_either_format_exports_at_another_layout(hf_dir, format_version, tmp_path):
+def test_checkpoint_of_either_format_exports_at_another_layout(
+    format_1_hf_dir, format_version, tmp_path
+):
     """Saved at TP=2/EP=2, exported at DP=2: the checkpoint reshards. Format 2 keys each expert
     and layer on its own; format 1 (older checkpoints: experts as slices of one tensor) still
     reads."""
     reports = run_on_ranks(
         convert_worker.convert_across_layouts,
-        str(hf_dir),
+        str(format_1_hf_dir),
         str(tmp_path),
         LAYOUTS["tp2_ep2"][0],
         {},
         format_version,
         world_size=2,
     )
-    _assert_same_tensors(tmp_path / "hf-again", hf_dir)
+    _assert_same_tensors(tmp_path / "hf-again", format_1_hf_dir)
     keys = reports[0]["saved_keys"]
     per_expert = [key for key in keys if ".mlp.experts." in key]
     assert per_expert

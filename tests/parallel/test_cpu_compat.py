@@ -208,3 +208,22 @@ def test_tied_embeddings_on_host():
     assert LanguageModule.setup_embeddings_and_output_layer is not setup
     with pytest.raises(AssertionError, match="Torch not compiled with CUDA"):
         host.cuda()  # only while the embeddings are being set up
+
+
+def test_mla_without_te():
+    from megatron.core.transformer import multi_latent_attention
+
+    assert cpu_compat.original("mla_without_te", "HAVE_TE") is True  # wrongly, upstream
+    with pytest.raises(TypeError, match="isinstance"):
+        isinstance(torch.nn.Linear(1, 1), multi_latent_attention.TELinear)  # a MagicMock
+    assert multi_latent_attention.HAVE_TE is False
+
+
+def test_mla_local_core_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    upstream = inspect.signature(cpu_compat.original("mla_local_core_attention", "__init__"))
+    assert "k_channels" not in upstream.parameters and "v_channels" not in upstream.parameters
+    patched = inspect.signature(DotProductAttention.__init__)
+    assert {"k_channels", "v_channels"} <= set(patched.parameters)
+    # Built end to end (an MLA model's logits against Hugging Face's) in tests/checkpoint.

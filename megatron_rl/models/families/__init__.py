@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.models.families import mixtral, qwen3_moe
+from megatron_rl.models.families import deepseek_v3, glm4_moe, mixtral, qwen3_moe
 from megatron_rl.models.families.base import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {
-    family.architecture: family for family in (qwen3_moe.FAMILY, mixtral.FAMILY)
+    family.architecture: family
+    for family in (qwen3_moe.FAMILY, mixtral.FAMILY, deepseek_v3.FAMILY, glm4_moe.FAMILY)
 }
 
 

@@ -5,8 +5,9 @@ Hugging Face tensors through a `Transform`, plus the two config conversions. Nam
 templates with `{layer}` and `{expert}`; Megatron-Core names are *global* (layer index over the
 whole model, expert index over all experts), as if the model were on one process. Sharding (TP
 slices, EP-local expert indices, PP layer offsets) is handled apart, in `models/hf_weights.py`,
-so a family never sees it. A new family (e.g. DeepSeek-V3 with MLA) is one new file of rules and
-config conversions, plus a Transform where a tensor needs a new kind of rearrangement.
+so a family never sees it. A rule with `{layer}` applies to every layer, or only to the dense or
+only to the MoE layers (models whose first layers are dense). A new family is one new file of
+rules and config conversions, plus a Transform where a tensor needs a new kind of rearrangement.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -43,26 +44,27 @@ class Copy:
 class FusedQKV:
     """HF q [heads*d, H], k [groups*d, H], v [groups*d, H] <-> Megatron-Core's fused QKV, grouped
     by key/value head: for each group, its query heads, then its key, then its value. That
-    grouping is what lets tensor parallelism split the fused weight contiguously by groups."""
+    grouping is what lets tensor parallelism split the fused weight contiguously by groups.
+    Biases ([heads*d], [groups*d], [groups*d]) are fused the same way."""
 
     def to_megatron(self, hf: list[Tensor], config: MoEModelConfig) -> Tensor:
         q, k, v = hf
         groups, dim = config.num_query_groups, config.kv_channels
-        hidden = q.shape[1]
+        rest = q.shape[1:]  # (H,) for weights, () for biases
         per_group = [
-            q.reshape(groups, -1, dim, hidden),
-            k.reshape(groups, 1, dim, hidden),
-            v.reshape(groups, 1, dim, hidden),
+            q.reshape(groups, -1, dim, *rest),
+            k.reshape(groups, 1, dim, *rest),
+            v.reshape(groups, 1, dim, *rest),
         ]
-        return torch.cat(per_group, dim=1).reshape(-1, hidden)
+        return torch.cat(per_group, dim=1).reshape(-1, *rest)
 
     def to_hf(self, megatron: Tensor, config: MoEModelConfig) -> list[Tensor]:
         groups, dim = config.num_query_groups, config.kv_channels
         heads_per_group = config.num_attention_heads // groups
-        hidden = megatron.shape[1]
-        grouped = megatron.reshape(groups, heads_per_group + 2, dim, hidden)
+        rest = megatron.shape[1:]
+        grouped = megatron.reshape(groups, heads_per_group + 2, dim, *rest)
         q, k, v = grouped.split([heads_per_group, 1, 1], dim=1)
-        return [t.reshape(-1, hidden).contiguous() for t in (q, k, v)]
+        return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
 
 class FusedGateUp:
@@ -78,6 +80,9 @@ class FusedGateUp:
 COPY, FUSED_QKV, FUSED_GATE_UP = Copy(), FusedQKV(), FusedGateUp()
 
 
+LayerKind = Literal["all", "dense", "moe"]
+
+
 @dataclass(frozen=True)
 class WeightRule:
     """One Megatron-Core tensor and the Hugging Face tensors it is made of."""
@@ -86,6 +91,7 @@ class WeightRule:
     hf: tuple[str, ...]  # templates: ("model.layers.{layer}.mlp.gate.weight",)
     transform: Transform = COPY
     when: Callable[[MoEModelConfig], bool] = lambda config: True  # e.g. untied embeddings only
+    layers: LayerKind = "all"  # with {layer}: which layers have this tensor
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,9 @@ class ModelFamily:
     rules: tuple[WeightRule, ...]
     config_from_hf: Callable[[dict[str, Any]], MoEModelConfig]
     config_to_hf: Callable[[MoEModelConfig], dict[str, Any]]
+    # config.json's count of multi-token-prediction layers, stored after the last decoder layer
+    # as model.layers.{num_hidden_layers + i}: RL does not use them (they are skipped on import).
+    mtp_layers_field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -112,13 +121,21 @@ def _fill(template: str, layer: int | None, expert: int | None) -> str:
     return template.format(layer=layer, expert=expert)
 
 
+def _layers(kind: LayerKind, config: MoEModelConfig) -> range:
+    if kind == "moe":
+        return config.moe_layers
+    if kind == "dense":
+        return range(config.first_dense_layers)
+    return range(config.num_layers)
+
+
 def bind_rules(family: ModelFamily, config: MoEModelConfig) -> dict[str, BoundRule]:
     """Every Megatron-Core tensor of the model (global names) -> its concrete rule."""
     bound: dict[str, BoundRule] = {}
     for rule in family.rules:
         if not rule.when(config):
             continue
-        layers = range(config.num_layers) if "{layer}" in rule.megatron else [None]
+        layers = _layers(rule.layers, config) if "{layer}" in rule.megatron else [None]
         experts = range(config.num_experts) if "{expert}" in rule.megatron else [None]
         for layer in layers:
             for expert in experts:

@@ -8,15 +8,15 @@ from typing import Any
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import common
 from megatron_rl.models.families.base import FUSED_GATE_UP, ModelFamily, WeightRule
+from megatron_rl.models.families.common import HF_LAYER, LAYER
 
-LAYER, HF = "decoder.layers.{layer}", "model.layers.{layer}"
 EXPERT = f"{LAYER}.mlp.experts.local_experts.{{expert}}"
-HF_EXPERT = f"{HF}.block_sparse_moe.experts.{{expert}}"
+HF_EXPERT = f"{HF_LAYER}.block_sparse_moe.experts.{{expert}}"
 
 RULES = (
     *common.embedding_and_head_rules(),
     *common.attention_rules(),
-    WeightRule(f"{LAYER}.mlp.router.weight", (f"{HF}.block_sparse_moe.gate.weight",)),
+    WeightRule(f"{LAYER}.mlp.router.weight", (f"{HF_LAYER}.block_sparse_moe.gate.weight",)),
     WeightRule(
         f"{EXPERT}.linear_fc1.weight",
         (f"{HF_EXPERT}.w1.weight", f"{HF_EXPERT}.w3.weight"),

@@ -7,24 +7,16 @@ from typing import Any
 
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import common
-from megatron_rl.models.families.base import FUSED_GATE_UP, ModelFamily, WeightRule
-
-LAYER, HF = "decoder.layers.{layer}", "model.layers.{layer}"
-EXPERT = f"{LAYER}.mlp.experts.local_experts.{{expert}}"
-HF_EXPERT = f"{HF}.mlp.experts.{{expert}}"
+from megatron_rl.models.families.base import ModelFamily, WeightRule
+from megatron_rl.models.families.common import HF_LAYER, LAYER
 
 RULES = (
     *common.embedding_and_head_rules(),
     *common.attention_rules(),
-    WeightRule(f"{LAYER}.self_attention.q_layernorm.weight", (f"{HF}.self_attn.q_norm.weight",)),
-    WeightRule(f"{LAYER}.self_attention.k_layernorm.weight", (f"{HF}.self_attn.k_norm.weight",)),
-    WeightRule(f"{LAYER}.mlp.router.weight", (f"{HF}.mlp.gate.weight",)),
-    WeightRule(
-        f"{EXPERT}.linear_fc1.weight",
-        (f"{HF_EXPERT}.gate_proj.weight", f"{HF_EXPERT}.up_proj.weight"),
-        FUSED_GATE_UP,
+    WeightRule(f"{LAYER}.mlp.router.weight", (f"{HF_LAYER}.mlp.gate.weight",)),
+    *common.swiglu_rules(
+        f"{LAYER}.mlp.experts.local_experts.{{expert}}", f"{HF_LAYER}.mlp.experts.{{expert}}"
     ),
-    WeightRule(f"{EXPERT}.linear_fc2.weight", (f"{HF_EXPERT}.down_proj.weight",)),
 )
 
 
