@@ -247,6 +247,9 @@ class HFWeightStream:
     Creating it is a collective (the ranks share what they hold); every rank must then iterate
     it to the end: the others take part in the gathers and yield nothing. A yielded tensor may
     share memory with a live parameter; copy it to keep it past the next optimizer step.
+    `before_tensor(name)`, if given, is called on every rank with each Megatron-Core tensor's
+    global name just before the stream reads it (a conversion loads its checkpoint there, part by
+    part).
     """
 
     def __init__(
@@ -257,10 +260,12 @@ class HFWeightStream:
         *,
         bucket_bytes: int = 512 * 2**20,
         dst: int = 0,
+        before_tensor: Callable[[str], None] | None = None,
     ) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
         self.config, self.bucket_bytes, self.dst = config, bucket_bytes, dst
+        self.before_tensor = before_tensor
         self.rules = bind_rules(family, config)
         self.mine: dict[str, tuple[Tensor, TPLayout]] = {}
         layouts = tp_layouts(model)
@@ -313,6 +318,8 @@ class HFWeightStream:
         bucket: list[tuple[str, Tensor]] = []
         bucket_size = 0
         for name, rule in self.rules.items():
+            if self.before_tensor is not None:
+                self.before_tensor(name)
             full = self._full_tensor(name)
             if full is None:
                 continue
@@ -336,6 +343,9 @@ def stream_hf_weights(
     *,
     bucket_bytes: int = 512 * 2**20,
     dst: int = 0,
+    before_tensor: Callable[[str], None] | None = None,
 ) -> HFWeightStream:
     """The model's weights as Hugging Face tensors, in buckets; see `HFWeightStream`."""
-    return HFWeightStream(model, family, config, bucket_bytes=bucket_bytes, dst=dst)
+    return HFWeightStream(
+        model, family, config, bucket_bytes=bucket_bytes, dst=dst, before_tensor=before_tensor
+    )
