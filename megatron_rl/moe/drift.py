@@ -7,6 +7,8 @@ pair is a *set* of top-k experts: the order within top-k does not count.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -30,14 +32,20 @@ def _check(old: Tensor, new: Tensor, mask: Tensor | None) -> Tensor:
     return mask
 
 
-def routing_drift(old: Tensor, new: Tensor, mask: Tensor | None = None) -> dict[str, Tensor]:
+def routing_drift(
+    old: Tensor,
+    new: Tensor,
+    mask: Tensor | None = None,
+    layer_numbers: Sequence[int] | None = None,
+) -> dict[str, Tensor]:
     """Drift metrics between two routing records `[tokens, layers, topk]` over the tokens in
-    `mask` (`[tokens]` bool; all by default):
+    `mask` (`[tokens]` bool; all by default); `layer_numbers` are the model layers the records'
+    layers are (by default 0, 1, ...; a model whose first layers are dense starts later):
 
     - `drift/token_layer`: fraction of (token, layer) pairs whose expert set differs;
     - `drift/token_any`: fraction of tokens with at least one layer different;
     - `drift/jaccard`: mean Jaccard similarity |A & B| / |A | B| of the expert sets;
-    - `drift/layer/<i>`: fraction of tokens whose expert set differs at layer i.
+    - `drift/layer/<i>`: fraction of tokens whose expert set differs at model layer i.
 
     All values are 0-dim float tensors (no host sync).
     """
@@ -56,8 +64,13 @@ def routing_drift(old: Tensor, new: Tensor, mask: Tensor | None = None) -> dict[
         "drift/jaccard": (jaccard * weight).sum() / pairs,
     }
     per_layer = (differs.float() * weight).sum(dim=0) / mask.sum().clamp(min=1)
-    for layer in range(old.shape[1]):
-        metrics[f"drift/layer/{layer}"] = per_layer[layer]
+    layer_numbers = range(old.shape[1]) if layer_numbers is None else layer_numbers
+    if len(layer_numbers) != old.shape[1]:
+        raise ValueError(
+            f"layer_numbers: {len(layer_numbers)} given for records of {old.shape[1]} layers"
+        )
+    for column, layer in enumerate(layer_numbers):
+        metrics[f"drift/layer/{layer}"] = per_layer[column]
     return metrics
 
 

@@ -7,6 +7,10 @@ token t of each row (the input at t, which predicts t + 1), so engine row j belo
 sample's j-th token wherever the batch put it: after left padding, from the right-padded start,
 or at the sample's offset in a packed row.
 
+Engines differ in which layers a record covers: every layer of the model (dense layers hold no
+routing) or the MoE layers only (the in-process engine records transformers' routers).
+`engine_layer_columns` tells which column holds each MoE layer, from the record's width.
+
 Positions the engine never routed (padding, each sample's last token) get experts 0..topk-1:
 under causal attention they cannot change the routing or the log-probs of the sample's earlier
 tokens. `covered` says which positions carry engine routing (for drift metrics).
@@ -74,12 +78,29 @@ def place_engine_routing(
     return routing, covered
 
 
+def engine_layer_columns(
+    record_layers: int, num_layers: int, moe_layers: Sequence[int]
+) -> dict[int, int]:
+    """Model layer -> the column of an engine record `[tokens, record_layers, topk]` that holds
+    its routing, for each MoE layer: records of every layer are indexed by the model layer;
+    records of the MoE layers alone by the MoE layer's rank among them."""
+    if record_layers == num_layers:
+        return {layer: layer for layer in moe_layers}
+    if record_layers == len(moe_layers):
+        return {layer: column for column, layer in enumerate(moe_layers)}
+    raise ValueError(
+        f"routing: the engine's records cover {record_layers} layer(s); the model has "
+        f"{num_layers} layer(s), {len(moe_layers)} of them MoE (a record covers either all "
+        "layers or the MoE layers)"
+    )
+
+
 def router_order(
-    routing: Tensor, *, sp_rank: int = 0, sp_size: int = 1, layers: range | None = None
+    routing: Tensor, *, sp_rank: int = 0, sp_size: int = 1, layers: Sequence[int] | None = None
 ) -> list[Tensor]:
     """`[b, S, layers, topk]` -> per layer `[tokens, topk]` in a router's token order: sequence-
     major (position, then row) over this rank's sequence-parallel slice, for the MoE layers of
-    this pipeline stage (`layers`, global indices; all by default)."""
+    this pipeline stage (`layers`: their columns in `routing`; all by default)."""
     batch, seq, num_layers, topk = routing.shape
     if seq % sp_size != 0:
         raise ValueError(f"routing: {seq} positions do not split over {sp_size} SP ranks")

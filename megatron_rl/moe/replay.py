@@ -5,7 +5,8 @@ then forces that routing in every training forward of the same micro-batch; R3 f
 the rollout engine used (see `engine_routing.py` for mapping it onto training tokens). Either way
 a micro-batch carries its routing: one `[tokens, topk]` tensor per MoE layer of this rank's
 pipeline stage, tokens in the router's order (sequence-major over this rank's sequence-parallel
-slice, then batch).
+slice, then batch). Dense layers (DeepSeek-V3's first ones) have no router and no entry: replay
+never touches them, and `layer_numbers` says which model layer each entry belongs to.
 
 megatron-core (built with `moe_enable_routing_replay`) gives each router a `RouterReplay` and
 keeps a process-wide list of them, driven by static methods. `RoutingReplay` takes the instances
@@ -27,6 +28,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
@@ -52,6 +55,12 @@ class RoutingReplay:
                 "(megatron-core's moe_enable_routing_replay) to record or replay routing"
             )
         self.routers = routers
+        # transformer layers carry their model-wide number (from 1) under any pipeline split
+        self.layer_numbers = [
+            layer.layer_number - 1
+            for layer in model.decoder.layers
+            if isinstance(layer.mlp, MoELayer)
+        ]
         self.topk = routers[0].topk
         self.recompute = model.config.recompute_granularity == "full"
         self._replays: list[RouterReplay] = [router.router_replay for router in routers]
@@ -125,27 +134,29 @@ class RoutingReplay:
         return loaded
 
     def observe_routing(self) -> Callable[[], ObservedRouting]:
-        """Watch each router's next forward: what it would choose without replay, at the cost
-        of one small matmul per layer (no extra forward), and what it used (its routing map).
-        Returns a function that removes the hooks and gives the last forward's routing."""
+        """Watch each router's next forward: what it would choose without replay (megatron-core's
+        own top-k, with its score function, groups and bias), at the cost of one small matmul
+        per layer (no extra forward), and what it used (its routing map). Returns a function
+        that removes the hooks and gives the last forward's routing."""
         free: dict[int, Tensor] = {}
         used: dict[int, Tensor] = {}
 
         def watch(layer: int) -> Callable:
             def hook(router: TopKRouter, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-                hidden = inputs[0].detach()
-                logits = torch.nn.functional.linear(
-                    hidden.reshape(-1, hidden.shape[-1]).to(router.weight.dtype),
-                    router.weight.detach(),
-                )
-                scores = logits
-                if router.config.moe_router_score_function == "sigmoid":
-                    scores = torch.sigmoid(logits.float())
-                    if router.expert_bias is not None:
-                        scores = scores + router.expert_bias
-                free[layer] = torch.topk(scores, k=router.topk, dim=-1).indices
-                routing_map = output[1].detach()  # [tokens, experts] bool, top-k set per row
-                used[layer] = routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1)
+                with torch.no_grad():
+                    logits = router.gating(inputs[0].detach())
+                    _, free_map = topk_routing_with_score_function(
+                        logits.view(-1, router.config.num_moe_experts),
+                        router.topk,
+                        use_pre_softmax=router.config.moe_router_pre_softmax,
+                        num_groups=router.config.moe_router_num_groups,
+                        group_topk=router.config.moe_router_group_topk,
+                        scaling_factor=router.config.moe_router_topk_scaling_factor,
+                        score_function=router.score_function,
+                        expert_bias=router.expert_bias,
+                    )
+                free[layer] = _experts(free_map)
+                used[layer] = _experts(output[1].detach())
 
             return hook
 
@@ -160,3 +171,8 @@ class RoutingReplay:
             return ObservedRouting([free[i] for i in layers], [used[i] for i in layers])
 
         return stop
+
+
+def _experts(routing_map: Tensor) -> Tensor:
+    """`[tokens, experts]` bool with top-k set per row -> `[tokens, topk]` expert indices."""
+    return routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1)

@@ -33,14 +33,20 @@ def from_last_stage(value: T) -> T:
 
 
 def join_stages(per_stage: Tensor, dim: int) -> Tensor:
-    """Every stage's `per_stage` (same shape on each) concatenated along `dim` in stage order,
-    on every stage: e.g. routing records `[tokens, layers_per_stage, topk]` joined along dim 1
-    into `[tokens, num_layers, topk]`."""
+    """Every stage's `per_stage` concatenated along `dim` in stage order, on every stage: e.g.
+    routing records `[tokens, stage_layers, topk]` joined along dim 1 into
+    `[tokens, moe_layers, topk]`. Stages may differ in size along `dim` (a stage holding dense
+    layers has fewer MoE layers); every other dimension must agree."""
     size = parallel_state.get_pipeline_model_parallel_world_size()
     if size == 1:
         return per_stage
-    parts = [torch.empty_like(per_stage) for _ in range(size)]
-    dist.all_gather(
-        parts, per_stage.contiguous(), group=parallel_state.get_pipeline_model_parallel_group()
-    )
-    return torch.cat(parts, dim=dim)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    sizes = [torch.zeros(1, dtype=torch.long, device=per_stage.device) for _ in range(size)]
+    dist.all_gather(sizes, torch.tensor([per_stage.shape[dim]], device=per_stage.device), group)
+    widest = max(int(s) for s in sizes)
+    padding = list(per_stage.shape)
+    padding[dim] = widest - per_stage.shape[dim]
+    padded = torch.cat([per_stage, per_stage.new_zeros(padding)], dim=dim)
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([p.narrow(dim, 0, int(n)) for p, n in zip(parts, sizes, strict=True)], dim)

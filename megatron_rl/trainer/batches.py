@@ -20,7 +20,11 @@ import torch
 from torch import Tensor
 
 from megatron_rl.algo import subsentence_segment_ids
-from megatron_rl.moe.engine_routing import place_engine_routing, router_order
+from megatron_rl.moe.engine_routing import (
+    engine_layer_columns,
+    place_engine_routing,
+    router_order,
+)
 from megatron_rl.rollout.engine import Sample
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 
@@ -101,9 +105,10 @@ def build_rollout_batch(
 class EngineRouting:
     """Where this rank's routers sit, to turn engine routing (R3) into replay targets."""
 
-    num_layers: int  # MoE layers of the whole model
+    num_layers: int  # layers of the whole model, dense ones included
+    moe_layers: tuple[int, ...]  # the model's MoE layers (from 0)
+    stage_layers: tuple[int, ...]  # this pipeline stage's MoE layers, in the model's numbering
     topk: int
-    layers: range  # global indices of this pipeline stage's MoE layers
     sp_rank: int = 0
     sp_size: int = 1
 
@@ -165,18 +170,22 @@ def _replay_targets(
 ) -> list[Tensor]:
     """The engine's routing of the rows `chunk` (R3), per MoE layer of this rank's stage."""
     placed = [(i, batch.samples[row]) for i, row in enumerate(chunk) if row >= 0]
+    records = [sample.routed_experts for _, sample in placed]
+    # the first record's width says which layers the engine records (all agree, or are refused)
+    width = next((r.shape[1] for r in records if r is not None and r.dim() == 3), 0)
+    columns = engine_layer_columns(width, engine_routing.num_layers, engine_routing.moe_layers)
     routing, _ = place_engine_routing(
-        [sample.routed_experts for _, sample in placed],
+        records,
         rows=[i for i, _ in placed],
         starts=[0] * len(placed),
         lengths=[len(s.prompt_ids) + len(s.response_ids) for _, s in placed],
         batch_shape=tuple(shape),
-        num_layers=engine_routing.num_layers,
+        num_layers=width,
         topk=engine_routing.topk,
     )
     return router_order(
         routing,
         sp_rank=engine_routing.sp_rank,
         sp_size=engine_routing.sp_size,
-        layers=engine_routing.layers,
+        layers=[columns[layer] for layer in engine_routing.stage_layers],
     )

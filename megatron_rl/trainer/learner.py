@@ -236,13 +236,12 @@ def _engine_routing_mismatch(first: UpdateResult) -> dict[str, float]:
 
 def _engine_routing(policy: Policy) -> EngineRouting:
     config = policy.config
-    replay = policy.replay
-    first = parallel_state.get_pipeline_model_parallel_rank() * replay.num_layers
     sequence_parallel = policy.model.config.sequence_parallel
     return EngineRouting(
         num_layers=config.num_layers,
+        moe_layers=tuple(config.moe_layers),
+        stage_layers=tuple(policy.replay.layer_numbers),
         topk=config.router_topk,
-        layers=range(first, first + replay.num_layers),
         sp_rank=parallel_state.get_tensor_model_parallel_rank() if sequence_parallel else 0,
         sp_size=parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel else 1,
     )

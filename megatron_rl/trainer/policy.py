@@ -4,6 +4,7 @@ checkpoint, megatron-core's DDP, optimizer and learning-rate scheduler, and rout
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -116,7 +117,12 @@ class Policy:
         result = policy_forward_backward(self.model, micro_batches, spec, replay=replaying)
         drift = {}
         if watch is not None:
-            drift = _replay_drift(micro_batches[-1], watch(), replaying=replaying is not None)
+            drift = _replay_drift(
+                micro_batches[-1],
+                watch(),
+                replaying=replaying is not None,
+                layer_numbers=self.config.moe_layers,
+            )
         # The optimizer reads `main_grad` only after prepare_grads; norm first, so that a
         # non-finite gradient is caught before it reaches the weights.
         self.optimizer.prepare_grads()
@@ -204,14 +210,18 @@ def metric_reduction(key: str) -> Literal["max", "min", "mean"]:
 
 
 def _replay_drift(
-    micro_batch: PolicyMicroBatch, observed: ObservedRouting, *, replaying: bool
+    micro_batch: PolicyMicroBatch,
+    observed: ObservedRouting,
+    *,
+    replaying: bool,
+    layer_numbers: Sequence[int],
 ) -> dict[str, float]:
     """How far the routing the current weights would choose has drifted from the recorded or
     replayed one (the old policy's, R2, or the engine's, R3), and when `replaying`, the share of
     (token, layer) pairs where the forward used other experts than the replayed ones
     (`routing/replay_miss_token_layer`; 0 when replay works): this rank's last micro-batch,
-    every layer (all pipeline stages), response tokens (all tokens under sequence parallelism,
-    whose slices the mask does not follow)."""
+    every MoE layer (all pipeline stages; `layer_numbers` are their model layers), response
+    tokens (all tokens under sequence parallelism, whose slices the mask does not follow)."""
     device = observed.free[0].device  # the model's (R3's replayed routing comes from the host)
     replayed = join_stages(torch.stack(micro_batch.routing, 1).to(device), dim=1)
     # Routers see tokens sequence-major: position, then row.
@@ -220,7 +230,7 @@ def _replay_drift(
 
     def drift_from_replayed(routing: list[Tensor]) -> dict[str, Tensor]:
         chosen = join_stages(torch.stack(routing, 1).to(replayed.dtype), dim=1)
-        return routing_drift(replayed, chosen, mask)
+        return routing_drift(replayed, chosen, mask, layer_numbers)
 
     metrics = {
         f"routing/{key.replace('/', '_')}": float(value)

@@ -1,4 +1,5 @@
-"""Workers for the routing-replay tests (R2 on a real megatron-core MoE model)."""
+"""Workers for the routing-replay tests (R2 on a real megatron-core MoE model): a Qwen3-MoE-like
+model, every layer MoE with a softmax router, and a DeepSeek-V3-like one."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from megatron_rl.algo import PolicyLossSpec
 from megatron_rl.models.build import build_gpt_moe
+from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.moe.drift import routing_drift
 from megatron_rl.moe.replay import RoutingReplay
 from megatron_rl.parallel.dims import ParallelDims
@@ -18,6 +20,47 @@ from megatron_rl.trainer.schedule import old_policy_pass, policy_forward_backwar
 from tests.parallel.invariance import TINY_MOE, micro_batches
 
 GRPO = PolicyLossSpec("grpo", 0.2, 0.27)
+# DeepSeek-V3's shape: MLA, a dense first layer, then MoE layers whose sigmoid router adds a
+# score-correction bias to choose among the experts of its best group, scales the weights and
+# has a shared expert beside it. Four layers: under PP=2 the first stage holds the dense layer
+# and one MoE layer, the second two MoE layers.
+TINY_DEEPSEEK = MoEModelConfig(
+    num_layers=4,
+    first_dense_layers=1,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=4,
+    multi_latent_attention=True,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    ffn_hidden_size=128,
+    moe_ffn_hidden_size=32,
+    num_experts=8,
+    router_topk=2,
+    router_score_function="sigmoid",
+    router_expert_bias=True,
+    router_num_groups=2,
+    router_group_topk=1,
+    router_topk_scaling_factor=2.5,
+    router_float32=True,
+    shared_expert_ffn_hidden_size=32,
+    vocab_size=128,
+)
+MODELS = {"qwen3_like": TINY_MOE, "deepseek_like": TINY_DEEPSEEK}
+
+
+def _build(name: str, dims: ParallelDims, **options) -> torch.nn.Module:
+    """The model `name`, its score-correction biases (loaded, never trained) set apart from 0
+    by a fixed draw, so that they change which experts some tokens choose."""
+    model = build_gpt_moe(MODELS[name], dims, **options)
+    gen = torch.Generator().manual_seed(3)
+    for module in model.modules():
+        if getattr(module, "expert_bias", None) is not None:
+            module.expert_bias.copy_(torch.randn(module.expert_bias.shape, generator=gen) * 0.02)
+    return model
 
 
 def _record(
@@ -44,13 +87,20 @@ def _perturb_routers(model: torch.nn.Module, seed: int = 7) -> None:
 
 def _force_routing(model: torch.nn.Module, routing: list[torch.Tensor]) -> None:
     """An independent way to force routing: replace each router's routing function by one that
-    takes the given experts and the softmax of the router's logits over them."""
+    takes the given experts and weighs them as the router would: the softmax of its logits
+    over them, or (sigmoid routers) their sigmoid scores renormalised and scaled."""
     routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
     for router, indices in zip(routers, routing, strict=True):
+        config = router.config
 
-        def routing_fn(logits, padding_mask=None, indices=indices):
+        def routing_fn(logits, padding_mask=None, indices=indices, config=config):
             logits = logits.view(-1, logits.shape[-1])
-            probs = torch.softmax(logits.gather(1, indices), dim=-1)
+            if config.moe_router_score_function == "sigmoid":
+                scores = torch.sigmoid(logits.float()).gather(1, indices)
+                probs = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+                probs = (probs * config.moe_router_topk_scaling_factor).type_as(logits)
+            else:
+                probs = torch.softmax(logits.gather(1, indices), dim=-1)
             routing_probs = torch.zeros_like(logits).scatter(1, indices, probs)
             routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
             return routing_probs, routing_map
@@ -58,10 +108,10 @@ def _force_routing(model: torch.nn.Module, routing: list[torch.Tensor]) -> None:
         router.routing = routing_fn
 
 
-def r2_matches_forced_routing(launch: LaunchEnv) -> dict:
+def r2_matches_forced_routing(launch: LaunchEnv, model_name: str) -> dict:
     dims = ParallelDims(world_size=1)
     init_distributed(dims, launch)
-    model = build_gpt_moe(TINY_MOE, dims, routing_replay=True)
+    model = _build(model_name, dims, routing_replay=True)
     ddp = wrap_for_training(model, distributed_optimizer=False)
     replay = RoutingReplay(model)
     (batch,) = _record(ddp, replay, micro_batches(count=1))
@@ -75,7 +125,7 @@ def r2_matches_forced_routing(launch: LaunchEnv) -> dict:
 
     # reference: same weights, routing forced by replacing the routers' routing function
     perturbed = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
-    reference_model = build_gpt_moe(TINY_MOE, dims)
+    reference_model = build_gpt_moe(MODELS[model_name], dims)
     reference_model.load_state_dict(perturbed, strict=False)
     _force_routing(reference_model, old_routing)
     reference = wrap_for_training(reference_model, distributed_optimizer=False)
@@ -87,7 +137,7 @@ def r2_matches_forced_routing(launch: LaunchEnv) -> dict:
     ]
 
     # without replay, the perturbed routers route differently
-    free_model = build_gpt_moe(TINY_MOE, dims)
+    free_model = build_gpt_moe(MODELS[model_name], dims)
     free_model.load_state_dict(perturbed, strict=False)
     free_loss = policy_forward_backward(
         wrap_for_training(free_model, distributed_optimizer=False), [batch], GRPO
@@ -99,17 +149,21 @@ def r2_matches_forced_routing(launch: LaunchEnv) -> dict:
         "forced_loss": float(forced.loss),
         "free_loss": float(free_loss),
         "worst_grad_error": max(errors),
-        "router_grad": float(grads["decoder.layers.0.mlp.router.weight"].abs().max()),
+        "router_grad": max(
+            float(g.abs().max()) for n, g in grads.items() if n.endswith("router.weight")
+        ),
+        "replayed_layers": replay.layer_numbers,
+        "routing_layers": len(old_routing),
     }
 
 
-def recompute_gives_same_gradients(launch: LaunchEnv) -> dict:
+def recompute_gives_same_gradients(launch: LaunchEnv, model_name: str) -> dict:
     dims = ParallelDims(world_size=1)
     init_distributed(dims, launch)
     grads = {}
     for recompute in (False, True):
         torch.manual_seed(0)
-        model = build_gpt_moe(TINY_MOE, dims, routing_replay=True, recompute=recompute)
+        model = _build(model_name, dims, routing_replay=True, recompute=recompute)
         ddp = wrap_for_training(model, distributed_optimizer=False)
         replay = RoutingReplay(model)
         batches = _record(ddp, replay, micro_batches(count=3))
@@ -123,11 +177,11 @@ def recompute_gives_same_gradients(launch: LaunchEnv) -> dict:
     return {"worst_grad_error": max(errors), "num_params": len(errors)}
 
 
-def replay_at_layout(launch: LaunchEnv, layout: dict) -> dict:
+def replay_at_layout(launch: LaunchEnv, layout: dict, model_name: str = "qwen3_like") -> dict:
     """R2 on a split model: record, change routing, replay; what the routers used vs recorded."""
     dims = ParallelDims(world_size=launch.world_size, **layout)
     init_distributed(dims, launch)
-    model = build_gpt_moe(TINY_MOE, dims, routing_replay=True)
+    model = _build(model_name, dims, routing_replay=True)
     ddp = wrap_for_training(model, distributed_optimizer=False)
     replay = RoutingReplay(model)
     batches = _record(ddp, replay, micro_batches(count=2))
@@ -141,6 +195,7 @@ def replay_at_layout(launch: LaunchEnv, layout: dict) -> dict:
         "drift_free": float(routing_drift(_stack(recorded), _stack(free))["drift/token_layer"]),
         "tokens_per_router": int(recorded[0].shape[0]),
         "loss": float(step.loss),
+        "replayed_layers": replay.layer_numbers,
     }
 
 

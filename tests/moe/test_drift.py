@@ -17,6 +17,18 @@ def test_identical_records_and_order_within_topk_do_not_count():
     assert float(metrics["drift/jaccard"]) == 1
 
 
+def test_layers_are_named_by_their_model_layer_number():
+    """Records of a model whose layer 0 is dense hold layers 1 and 2: the names say so."""
+    old = torch.tensor([[[0, 1], [2, 3]], [[0, 1], [2, 3]]])
+    new = torch.tensor([[[0, 1], [2, 4]], [[0, 1], [2, 3]]])
+    metrics = routing_drift(old, new, layer_numbers=[1, 2])
+    assert "drift/layer/0" not in metrics
+    assert float(metrics["drift/layer/1"]) == 0
+    assert float(metrics["drift/layer/2"]) == pytest.approx(1 / 2)
+    with pytest.raises(ValueError, match="layer_numbers: 3 given for records of 2 layers"):
+        routing_drift(old, new, layer_numbers=[1, 2, 3])
+
+
 def test_hand_built_drift():
     # 3 tokens, 2 layers, top-2
     old = torch.tensor([[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[0, 1], [2, 3]]])

@@ -1,6 +1,8 @@
-"""R2 routing replay on a real megatron-core MoE model: forced routing is exactly the recorded
-one, the loss and gradients equal an independent forced-routing reference, the router still
-learns, and activation recomputation replays the same routing."""
+"""R2 routing replay on a real megatron-core MoE model (every layer MoE with a softmax router,
+and DeepSeek-V3's shape: a dense first layer, a sigmoid router with a score-correction bias and
+groups, a shared expert): forced routing is exactly the recorded one, the loss and gradients
+(the dense layer's too) equal an independent forced-routing reference, the router still learns,
+and activation recomputation replays the same routing."""
 
 from __future__ import annotations
 
@@ -11,19 +13,26 @@ import pytest
 from tests.moe import replay_worker
 from tests.parallel.harness import run_on_ranks
 
+MODELS = ["qwen3_like", "deepseek_like"]
 
-def test_r2_replays_the_old_routing_exactly():
-    (report,) = run_on_ranks(replay_worker.r2_matches_forced_routing, world_size=1)
+
+@pytest.mark.parametrize("model", MODELS)
+def test_r2_replays_the_old_routing_exactly(model):
+    (report,) = run_on_ranks(replay_worker.r2_matches_forced_routing, model, world_size=1)
     assert report["drift_free"] > 0.05  # the update moved routing ...
     assert report["drift_used"] == 0  # ... and replay forced the old routing, exactly
     assert report["replayed_loss"] == pytest.approx(report["forced_loss"], rel=1e-6)
     assert report["worst_grad_error"] <= 1e-5
     assert report["router_grad"] > 0  # gate weights stay differentiable: the router learns
     assert report["free_loss"] != pytest.approx(report["replayed_loss"], rel=1e-6)
+    moe_layers = [0, 1] if model == "qwen3_like" else [1, 2, 3]  # layer 0 dense: no router
+    assert report["replayed_layers"] == moe_layers
+    assert report["routing_layers"] == len(moe_layers)
 
 
-def test_full_recompute_replays_the_same_routing():
-    (report,) = run_on_ranks(replay_worker.recompute_gives_same_gradients, world_size=1)
+@pytest.mark.parametrize("model", MODELS)
+def test_full_recompute_replays_the_same_routing(model):
+    (report,) = run_on_ranks(replay_worker.recompute_gives_same_gradients, model, world_size=1)
     assert report["num_params"] > 20
     assert report["worst_grad_error"] <= 1e-5
 
@@ -42,6 +51,16 @@ def test_r2_on_two_ranks(layout):
         assert math.isnan(reports[0]["loss"]) and math.isfinite(reports[1]["loss"])
     else:
         assert reports[0]["loss"] == pytest.approx(reports[1]["loss"])
+
+
+def test_r2_with_a_dense_layer_on_the_first_stage():
+    """PP=2 over the DeepSeek-like model: the first stage replays its one MoE layer (layer 1),
+    the second its two (layers 2 and 3)."""
+    reports = run_on_ranks(replay_worker.replay_at_layout, {"pp": 2}, "deepseek_like")
+    assert [report["replayed_layers"] for report in reports] == [[1], [2, 3]]
+    for report in reports:
+        assert report["drift_free"] > 0.05
+        assert report["drift_used"] == 0
 
 
 def test_r3_engine_routing_round_trip():

@@ -20,4 +20,6 @@ def across_stages(launch: LaunchEnv, pp: int) -> dict:
         "stage": stage,
         "from_last": from_last_stage({"loss": 0.25, "clip_frac/seq": 0.5} if last else {}),
         "joined": join_stages(records, dim=1).tolist(),
+        # the first stage holding a dense layer: one MoE layer there, two on the next
+        "joined_uneven": join_stages(records[:, :1] if stage == 0 else records, dim=1).tolist(),
     }

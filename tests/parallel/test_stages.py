@@ -21,4 +21,6 @@ def test_last_stage_values_and_joined_records_reach_every_stage(pp):
             assert report["joined"] == RECORDS.tolist()
         else:  # the first stage's layers, then the second's (stage 1's tagged +100)
             assert report["joined"] == torch.cat([RECORDS, RECORDS + 100], dim=1).tolist()
+            uneven = torch.cat([RECORDS[:, :1], RECORDS + 100], dim=1)
+            assert report["joined_uneven"] == uneven.tolist()
     assert [report["stage"] for report in reports] == ([0, 0] if pp == 1 else [0, 1])

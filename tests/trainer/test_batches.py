@@ -16,14 +16,15 @@ from megatron_rl.trainer.batches import (
 NEWLINE = 9
 
 
-def _sample(prompt, response, routed=False):
+def _sample(prompt, response, routed=False, layers=2):
     total = len(prompt) + len(response)
     return Sample(
         prompt_ids=tuple(prompt),
         response_ids=tuple(response),
         logprobs=-torch.arange(1, len(response) + 1, dtype=torch.float32),
         finish_reason="stop",
-        routed_experts=torch.arange((total - 1) * 2 * 2, dtype=torch.int32).view(-1, 2, 2) % 4
+        routed_experts=torch.arange((total - 1) * layers * 2, dtype=torch.int32).view(-1, layers, 2)
+        % 97
         if routed
         else None,
     )
@@ -85,10 +86,37 @@ def test_minibatches_cover_every_row_once_and_depend_on_the_seed():
 def test_engine_routing_lands_in_router_order():
     samples = [_sample([1, 2, 3], [4, 5], routed=True), _sample([6], [7], routed=True)]
     batch = build_rollout_batch(samples, torch.ones(2), pad_id=0, newline_token_ids=[NEWLINE])
-    routing = EngineRouting(num_layers=2, topk=2, layers=range(2))
+    routing = EngineRouting(num_layers=2, moe_layers=(0, 1), stage_layers=(0, 1), topk=2)
     (micro,) = micro_batches(
         batch, [0, 1], dp_rank=0, dp_size=1, micro_batch_size=2, engine_routing=routing
     )
     layer0 = micro.routing[0].view(batch.tokens.shape[1], 2, 2)  # [position, row, topk]
     torch.testing.assert_close(layer0[:4, 0], samples[0].routed_experts[:, 0].long())
     torch.testing.assert_close(layer0[:1, 1], samples[1].routed_experts[:, 0].long())
+
+
+@pytest.mark.parametrize("engine_records", ["all_layers", "moe_layers"])
+def test_engine_routing_of_a_model_with_a_dense_first_layer(engine_records):
+    """Layers 0 dense, 1-3 MoE, this stage holding layers 2 and 3 (PP): an engine that records
+    every layer (SGLang's layout) and one that records MoE layers only (the in-process engine)
+    both give this stage the routing of model layers 2 and 3."""
+    width = 4 if engine_records == "all_layers" else 3
+    samples = [_sample([1, 2, 3], [4, 5], routed=True, layers=width)]
+    batch = build_rollout_batch(samples, torch.ones(1), pad_id=0, newline_token_ids=[NEWLINE])
+    routing = EngineRouting(num_layers=4, moe_layers=(1, 2, 3), stage_layers=(2, 3), topk=2)
+    (micro,) = micro_batches(
+        batch, [0], dp_rank=0, dp_size=1, micro_batch_size=1, engine_routing=routing
+    )
+    assert len(micro.routing) == 2
+    record = samples[0].routed_experts.long()
+    for stage_layer, model_layer in enumerate((2, 3)):
+        column = model_layer if engine_records == "all_layers" else model_layer - 1
+        torch.testing.assert_close(micro.routing[stage_layer][:4], record[:, column])
+
+
+def test_engine_routing_of_an_unexpected_width_is_refused():
+    samples = [_sample([1, 2, 3], [4, 5], routed=True, layers=2)]
+    batch = build_rollout_batch(samples, torch.ones(1), pad_id=0, newline_token_ids=[NEWLINE])
+    routing = EngineRouting(num_layers=4, moe_layers=(1, 2, 3), stage_layers=(1, 2, 3), topk=2)
+    with pytest.raises(ValueError, match=r"records cover 2 layer.*4 layer.*3 of them MoE"):
+        micro_batches(batch, [0], dp_rank=0, dp_size=1, micro_batch_size=1, engine_routing=routing)
