@@ -34,6 +34,7 @@ from megatron_rl.models.families.base import (
     bind_rules,
     canonical_megatron_name,
 )
+from megatron_rl.models.module_weights import named_weights
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -67,16 +68,6 @@ class TPLayout:
     size: int
 
 
-def model_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """The tensors a Hugging Face checkpoint holds for `model`, by local name: its parameters,
-    and its persistent buffers (the router's score-correction bias, which is not trained)."""
-    yield from model.named_parameters()
-    for module_name, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                yield f"{module_name}.{name}" if module_name else name, buffer
-
-
 def _split_dims(module: torch.nn.Module) -> dict[str, int]:
     """Which dimension of each of a module's tensors tensor parallelism splits (absent: not
     split): a column-parallel layer splits its outputs, weight and bias; a row-parallel layer
@@ -93,7 +84,7 @@ def _split_dims(module: torch.nn.Module) -> dict[str, int]:
 
 
 def tp_layouts(model: torch.nn.Module) -> dict[str, TPLayout]:
-    """The tensor-parallel layout of every weight (`model_weights`), by its local name."""
+    """The tensor-parallel layout of every weight (`named_weights`), by its local name."""
     dense = (
         parallel_state.get_tensor_model_parallel_group(),
         parallel_state.get_tensor_model_parallel_rank(),
@@ -110,7 +101,7 @@ def tp_layouts(model: torch.nn.Module) -> dict[str, TPLayout]:
             split_weights[f"{module_name}.{tensor}" if module_name else tensor] = dim
     glu = model.config.gated_linear_unit
     layouts = {}
-    for name, _ in model_weights(model):
+    for name, _ in named_weights(model):
         group, rank, size = expert if ".mlp.experts." in name else dense
         dim = split_weights.get(name) if size > 1 else None
         layouts[name] = TPLayout(
@@ -190,7 +181,7 @@ def plan_hf_load(
     bound = bind_rules(family, config)
     layouts = tp_layouts(model)
     entries = []
-    for local_name, param in model_weights(model):
+    for local_name, param in named_weights(model):
         rule = _rule_for(bound, global_name(model, local_name), config)
         layout = layouts[local_name]
         expected = expected_hf_shapes(rule, _full_shape(param, layout), config)
@@ -269,7 +260,7 @@ class HFWeightStream:
         self.rules = bind_rules(family, config)
         self.mine: dict[str, tuple[Tensor, TPLayout]] = {}
         layouts = tp_layouts(model)
-        for local_name, param in model_weights(model):
+        for local_name, param in named_weights(model):
             name = global_name(model, local_name)
             if not (config.tie_word_embeddings and name == TIED_OUTPUT):
                 self.mine[name] = (param, layouts[local_name])

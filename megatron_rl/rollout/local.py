@@ -23,6 +23,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
+from megatron_rl.models.module_weights import named_weights
 from megatron_rl.rollout.engine import (
     Sample,
     SamplingParams,
@@ -36,10 +37,11 @@ class WeightUpdateError(ValueError):
 
 
 class _CheckpointNameMap:
-    """Checkpoint tensor name -> (parameter, flat indices of its elements in that parameter)."""
+    """Checkpoint tensor name -> (parameter or persistent buffer, flat indices of its elements
+    in it)."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        params = dict(model.named_parameters())
+        params = dict(named_weights(model))
         offsets, start = {}, 0
         index_state = {}
         for name, param in params.items():

@@ -100,9 +100,11 @@ def test_routed_experts_in_sglang_layout(engine):
             hook.remove()
 
 
-def test_weight_update_by_checkpoint_name(tmp_path):
-    engine = LocalEngine.from_pretrained(save_tiny("qwen3_moe", tmp_path / "a", seed=0))
-    donor = LocalEngine.from_pretrained(save_tiny("qwen3_moe", tmp_path / "b", seed=1))
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+def test_weight_update_by_checkpoint_name(tmp_path, family):
+    """Every checkpoint tensor lands, DeepSeek-V3's and GLM-4.5's router bias (a buffer) too."""
+    engine = LocalEngine.from_pretrained(save_tiny(family, tmp_path / "a", seed=0))
+    donor = LocalEngine.from_pretrained(save_tiny(family, tmp_path / "b", seed=1))
     from safetensors.torch import load_file
 
     tensors = load_file(tmp_path / "b" / "model.safetensors")
@@ -118,6 +120,15 @@ def test_weight_update_by_checkpoint_name(tmp_path):
         g[0].response_ids for g in donor.generate(PROMPTS, params)
     ]
     assert [g[0].response_ids for g in after] != [g[0].response_ids for g in before]
+
+
+def test_routing_records_cover_the_moe_layers_only(tmp_path):
+    """transformers' DeepSeek-V3 has routers in its MoE layers only (layer 0 is dense): the
+    records have one column per MoE layer (the trainer maps them by their width)."""
+    engine = LocalEngine.from_pretrained(save_tiny("deepseek_v3", tmp_path / "hf"))
+    params = SamplingParams(max_new_tokens=4)
+    (group,) = engine.generate(PROMPTS[:1], params, return_routed_experts=True)
+    assert tuple(group[0].routed_experts.shape) == (len(PROMPTS[0]) + 4 - 1, 3, 4)
 
 
 def test_weight_update_errors(tmp_path):
