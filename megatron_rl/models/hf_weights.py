@@ -233,7 +233,8 @@ def unmapped_hf_names(
 
 class HFWeightStream:
     """`(hf_name, tensor)` buckets of at most `bucket_bytes` (one tensor larger than that comes
-    alone), yielded on global rank `dst` in the order of `manifest`.
+    alone; two a rule binds together, `WeightRule.bucket_with_next`, may exceed it), yielded on
+    global rank `dst` in the order of `manifest`.
 
     Creating it is a collective (the ranks share what they hold); every rank must then iterate
     it to the end: the others take part in the gathers and yield nothing. A yielded tensor may
@@ -308,6 +309,7 @@ class HFWeightStream:
     def __iter__(self) -> Iterator[list[tuple[str, Tensor]]]:
         bucket: list[tuple[str, Tensor]] = []
         bucket_size = 0
+        keep_with_last = False  # the last tensor's rule asks for this one in its bucket
         for name, rule in self.rules.items():
             if self.before_tensor is not None:
                 self.before_tensor(name)
@@ -318,11 +320,13 @@ class HFWeightStream:
                 rule.hf, rule.transform.to_hf(full, self.config), strict=True
             ):
                 size = tensor.numel() * tensor.element_size()
-                if bucket and bucket_size + size > self.bucket_bytes:
+                if bucket and bucket_size + size > self.bucket_bytes and not keep_with_last:
                     yield bucket
                     bucket, bucket_size = [], 0
                 bucket.append((hf_name, tensor))
                 bucket_size += size
+                keep_with_last = False
+            keep_with_last = rule.bucket_with_next
         if bucket:
             yield bucket
 

@@ -140,8 +140,15 @@ def test_stream_yields_every_tensor_once_within_the_bucket_size(hf_dir, layout):
     assert sorted(names) == sorted(original)  # every tensor, exactly once
     assert all(same for _, _, same in streamed)
     assert all(shape == tuple(original[name].shape) for name, shape, _ in streamed)
+    original_size = {name: t.numel() * t.element_size() for name, t in original.items()}
     for bucket, size in zip(reports[0]["buckets"], reports[0]["bucket_sizes"], strict=True):
-        assert size <= bucket_bytes or len(bucket) == 1
+        names = {name for name, _, _ in bucket}
+        # DeepSeek-V3: a layer's q_a_proj and kv_a_proj_with_mqa share a bucket (SGLang fuses
+        # them per update call), which may take it past the bucket size by the second
+        bound = [n for n in names if n.endswith("q_a_proj.weight")]
+        partners = [n.replace("q_a_proj", "kv_a_proj_with_mqa") for n in bound]
+        assert set(partners) <= names
+        assert size - sum(original_size[n] for n in partners) <= bucket_bytes or len(bucket) == 1
     assert len(reports[0]["buckets"]) > 3
     for other in reports[1:]:
         assert other["buckets"] == []  # only the destination rank yields

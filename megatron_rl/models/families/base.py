@@ -92,6 +92,9 @@ class WeightRule:
     transform: Transform = COPY
     when: Callable[[MoEModelConfig], bool] = lambda config: True  # e.g. untied embeddings only
     layers: LayerKind = "all"  # with {layer}: which layers have this tensor
+    # The weight stream puts this rule's last Hugging Face tensor and the next rule's first (of
+    # the same layer) in one bucket: an engine that fuses them per update call needs both.
+    bucket_with_next: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ class BoundRule:
     megatron: str
     hf: tuple[str, ...]
     transform: Transform
+    bucket_with_next: bool = False
 
 
 def _fill(template: str, layer: int | None, expert: int | None) -> str:
@@ -130,9 +134,10 @@ def _layers(kind: LayerKind, config: MoEModelConfig) -> range:
 
 
 def bind_rules(family: ModelFamily, config: MoEModelConfig) -> dict[str, BoundRule]:
-    """Every Megatron-Core tensor of the model (global names) -> its concrete rule."""
-    bound: dict[str, BoundRule] = {}
-    for rule in family.rules:
+    """Every Megatron-Core tensor of the model (global names) -> its concrete rule, the tensors
+    outside the layers first, then layer by layer (in the family's rule order within a layer)."""
+    ordered: list[tuple[tuple[int, int], str, BoundRule]] = []
+    for index, rule in enumerate(family.rules):
         if not rule.when(config):
             continue
         layers = _layers(rule.layers, config) if "{layer}" in rule.megatron else [None]
@@ -141,8 +146,10 @@ def bind_rules(family: ModelFamily, config: MoEModelConfig) -> dict[str, BoundRu
             for expert in experts:
                 name = _fill(rule.megatron, layer, expert)
                 hf = tuple(_fill(t, layer, expert) for t in rule.hf)
-                bound[name] = BoundRule(name, hf, rule.transform)
-    return bound
+                bound = BoundRule(name, hf, rule.transform, rule.bucket_with_next)
+                ordered.append(((-1 if layer is None else layer, index), name, bound))
+    ordered.sort(key=lambda entry: entry[0])  # stable: experts keep their order
+    return {name: bound for _, name, bound in ordered}
 
 
 def hf_names(bound: dict[str, BoundRule]) -> Iterator[str]:

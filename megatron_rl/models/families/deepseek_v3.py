@@ -27,7 +27,39 @@ def _with_q_lora(config: MoEModelConfig) -> bool:
 # MLA's projections keep their layouts in both: megatron-core's up-projections are laid out per
 # head as [no-RoPE part, RoPE part] (queries) and [key, value] like transformers', and its RoPE
 # takes the interleaved dimensions that transformers' rope_interleave=True implies.
+# SGLang fuses q_a_proj and kv_a_proj_with_mqa within one weight-update call and silently drops
+# one that comes without the other: the stream keeps them in one bucket.
 MLA_RULES = (
+    WeightRule(
+        f"{ATTENTION}.linear_q_proj.weight",
+        (f"{HF_ATTENTION}.q_proj.weight",),
+        when=lambda config: not _with_q_lora(config),
+    ),
+    WeightRule(
+        f"{ATTENTION}.linear_q_down_proj.weight",
+        (f"{HF_ATTENTION}.q_a_proj.weight",),
+        when=_with_q_lora,
+        bucket_with_next=True,
+    ),
+    WeightRule(
+        f"{ATTENTION}.linear_kv_down_proj.weight", (f"{HF_ATTENTION}.kv_a_proj_with_mqa.weight",)
+    ),
+    WeightRule(
+        f"{ATTENTION}.q_layernorm.weight",
+        (f"{HF_ATTENTION}.q_a_layernorm.weight",),
+        when=_with_q_lora,
+    ),
+    WeightRule(
+        f"{ATTENTION}.linear_q_up_proj.weight",
+        (f"{HF_ATTENTION}.q_b_proj.weight",),
+        when=_with_q_lora,
+    ),
+    WeightRule(f"{ATTENTION}.kv_layernorm.weight", (f"{HF_ATTENTION}.kv_a_layernorm.weight",)),
+    WeightRule(f"{ATTENTION}.linear_kv_up_proj.weight", (f"{HF_ATTENTION}.kv_b_proj.weight",)),
+    WeightRule(f"{ATTENTION}.linear_proj.weight", (f"{HF_ATTENTION}.o_proj.weight",)),
+)
+
+RULES = (
     WeightRule(
         f"{ATTENTION}.linear_q_proj.weight",
         (f"{HF_ATTENTION}.q_proj.weight",),
@@ -174,6 +206,10 @@ def config_to_hf(config: MoEModelConfig) -> dict[str, Any]:
         "hidden_act": "silu",
         "attention_bias": False,
         "dtype": config.dtype,
+        # in DeepSeek-V3's own config.json, not in transformers' class; SGLang needs them
+        "moe_layer_freq": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
     }
 
 
