@@ -60,9 +60,27 @@ def pinned_host_register_unpatched() -> str:
     return "registered"
 
 
+def mla_torch_native_handler() -> str:
+    """Which handler DeepSeek's attention gets on the torch_native backend."""
+    from sglang.srt.models.deepseek_common import attention_backend_handler as handlers
+
+    return handlers.AttentionBackendRegistry.get_handler("torch_native").__name__
+
+
+def mla_torch_native_handler_unpatched() -> str:
+    """The same with the module as SGLang ships it (a reload passes the shim's hook by)."""
+    import importlib
+
+    from sglang.srt.models.deepseek_common import attention_backend_handler as handlers
+
+    registry = importlib.reload(handlers).AttentionBackendRegistry
+    return registry.get_handler("torch_native").__name__
+
+
 if __name__ == "__main__":
     checks = [torchvision_imports, assign_req_to_token_pool, other_kernels_fail_loudly]
     checks += [pinned_host_register, pinned_host_register_unpatched]
+    checks += [mla_torch_native_handler, mla_torch_native_handler_unpatched]
     try:
         print(json.dumps({check.__name__: attempt(check) for check in checks}))
     except BaseException:

@@ -1,7 +1,7 @@
-"""The three test-only CPU shims (tests/sglang/cpu_shims): each works, and each is still
+"""The four test-only CPU shims (tests/sglang/cpu_shims): each works, and each is still
 needed by the installed SGLang 0.5.23 (the day one of them is not, this test says so). The
-host-register shim is checked by calling SGLang's own function with the shims otherwise in
-place (SGLang cannot be imported at all without the other two)."""
+host-register and MLA-handler shims are checked by calling SGLang's own code with the shims
+otherwise in place (SGLang cannot be imported at all without the first two)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ def test_with_the_shims_sglang_runs_on_a_cpu_only_torch():
     # Without its shim, the routed-experts buffer would be pinned through CUDA.
     assert outcomes["pinned_host_register_unpatched"].startswith("error"), outcomes
     assert "CUDA" in outcomes["pinned_host_register_unpatched"]
+    assert outcomes["mla_torch_native_handler"] == "ok: _dispatch_mla_subtype"
+    # SGLang itself has no MLA handler for torch_native: it falls back to triton's
+    assert outcomes["mla_torch_native_handler_unpatched"] == "ok: handle_attention_triton"
 
 
 def test_without_the_shims_torchvision_and_sgl_kernel_fail():
