@@ -91,6 +91,10 @@ def deepseek_v3_config(**overrides) -> DeepseekV3Config:
             "mscale_all_dim": 1.0,
         },
         "tie_word_embeddings": False,
+        # in DeepSeek-V3's own config.json, not in transformers' class; SGLang needs them
+        "moe_layer_freq": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
     }
     return DeepseekV3Config(**(fields | overrides))
 

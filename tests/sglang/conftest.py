@@ -29,15 +29,17 @@ TEST_PORT = 30700
 ROUTING_SHAPE = (4, 2)  # the tiny model: 4 MoE layers, top-2
 
 
-def cpu_servers(port: int, log_dir: Path, *, routed_experts: bool = True) -> ServerGroup:
-    """Servers of the example recipe's CPU settings, on `port`, with absolute paths (the tests
-    may run from any directory)."""
+def cpu_servers(
+    port: int, log_dir: Path, *, routed_experts: bool = True, model: str = TINY_MODEL
+) -> ServerGroup:
+    """Servers of the example recipe's CPU settings for `model`, on `port`, with absolute paths
+    (the tests may run from any directory)."""
     config = load_config(Recipe, CPU_RECIPE).rollout.sglang
     env = dict(config.env) | {"PYTHONPATH": str(REPO / "tests" / "sglang" / "cpu_shims")}
     config = dataclasses.replace(
         config, python=str(SGLANG_PYTHON), env=env, base_port=port, startup_timeout_s=240.0
     )
-    return ServerGroup(config, TINY_MODEL, log_dir, routed_experts=routed_experts)
+    return ServerGroup(config, model, log_dir, routed_experts=routed_experts)
 
 
 @pytest.fixture(scope="session")
