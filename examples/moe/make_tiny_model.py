@@ -1,12 +1,15 @@
-"""Make the tiny base model of the CPU recipes: a Qwen3-MoE-shaped model warm-started by
-supervised training on worked solutions of the built-in arithmetic task from a sloppy teacher.
+"""Make the tiny base model of the CPU recipes: a Qwen3-MoE-shaped (or DeepSeek-V3-shaped)
+model warm-started by supervised training on worked solutions of the built-in arithmetic task
+from a sloppy teacher.
 
     python examples/moe/make_tiny_model.py --out examples/moe/tiny_qwen3_moe
+    python examples/moe/make_tiny_model.py --family deepseek_v3 --out examples/moe/tiny_deepseek_v3
 
 Steps: build a character-level tokenizer over the task's alphabet; initialise a 4-layer,
-8-expert, top-2 Qwen3-MoE (other shapes: --layers, --experts, --topk) at random (seeded);
-train it on (prompt, worked solution) pairs of the task's train split, with the loss on the
-solution only.
+8-expert, top-2 Qwen3-MoE (other shapes: --layers, --experts, --topk), or a DeepSeek-V3 of the
+same width (multi-latent attention with YaRN, the first layer dense, a sigmoid router in two
+groups with a shared expert), at random (seeded); train it on (prompt, worked solution) pairs
+of the task's train split, with the loss on the solution only.
 
 The teacher is sloppy in one systematic way: in a step that carries (an addition whose units
 add up to 10 or more) or borrows (a subtraction whose units digit is smaller), it forgets the
@@ -27,11 +30,20 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from megatron_rl.rewards import ArithmeticTask, get_verifier
 from megatron_rl.rollout.codec import PromptCodec
@@ -61,6 +73,7 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 def model_config(
     tokenizer: PreTrainedTokenizerFast, *, layers: int = 4, experts: int = 8, topk: int = 2
 ) -> Qwen3MoeConfig:
+    """The Qwen3-MoE shape of the main recipe."""
     return Qwen3MoeConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
@@ -83,6 +96,63 @@ def model_config(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
+
+
+def deepseek_v3_config(
+    tokenizer: PreTrainedTokenizerFast, *, layers: int = 4, experts: int = 8, topk: int = 2
+) -> DeepseekV3Config:
+    """A DeepSeek-V3 of the Qwen3-MoE shape's width: MLA with YaRN (4x over a 32-token
+    pretraining context), the first layer dense, a sigmoid router whose experts come from the
+    better of two groups (a group scored by its best two experts), one shared expert."""
+    return DeepseekV3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=96,
+        num_hidden_layers=layers,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        n_routed_experts=experts,
+        num_experts_per_tok=topk,
+        n_group=2,
+        topk_group=topk // 2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=0,
+        # fields of DeepSeek-V3's own config.json that transformers' config class lacks and
+        # SGLang reads (it fails to start without them)
+        moe_layer_freq=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+
+
+FAMILIES: dict[str, tuple[type[PreTrainedModel], Callable[..., PreTrainedConfig]]] = {
+    "qwen3_moe": (Qwen3MoeForCausalLM, model_config),
+    "deepseek_v3": (DeepseekV3ForCausalLM, deepseek_v3_config),
+}
 
 
 def sloppy_solution(prompt: str, slip_prob: float, rng: random.Random) -> str:
@@ -151,6 +221,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe")
     args = parser.parse_args()
     if args.out.exists():
         raise SystemExit(f"--out {args.out}: already exists; remove it or choose another path")
@@ -159,7 +230,9 @@ def main() -> None:
     task = ArithmeticTask()
     tokenizer = char_tokenizer()
     shape = {"layers": args.layers, "experts": args.experts, "topk": args.topk}
-    model = Qwen3MoeForCausalLM(model_config(tokenizer, **shape))
+    model_class, make_config = FAMILIES[args.family]
+    config: PreTrainedConfig = make_config(tokenizer, **shape)
+    model = model_class(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = 50
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -191,7 +264,8 @@ def main() -> None:
             )
             history.append({"step": step, "loss": round(loss.item(), 4), "accuracy": accuracy})
             print(f"step {step}  loss {loss.item():.4f}  validation accuracy {accuracy:.3f}")
-    model.config.output_router_logits = False
+    if hasattr(model.config, "output_router_logits"):
+        model.config.output_router_logits = False
     model.save_pretrained(staging)
     (staging / "training.json").write_text(
         json.dumps(
