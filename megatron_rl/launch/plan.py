@@ -1,8 +1,9 @@
 """What a recipe's layout holds on each GPU of a cluster, before anything runs (`megatron-rl plan`).
 
 Parameters are counted as megatron-core lays them out on a rank (its pipeline stage, its TP and
-EP shards; tests/launch/test_plan.py checks the counts against built models, the tiny one at
-several layouts and Qwen3-30B-A3B on the meta device). Memory per rank, in bytes:
+EP shards; tests/launch/test_plan.py checks the counts against built models, the tiny ones
+(Qwen3-MoE- and DeepSeek-V3-shaped) at several layouts and Qwen3-30B-A3B on the meta device).
+Memory per rank, in bytes:
 
 - weights: parameters x the model dtype's size (twice with a KL penalty: the frozen reference);
 - gradients: parameters x 4 (megatron-core's DDP keeps fp32 `main_grad` buffers, full size
@@ -22,8 +23,11 @@ several layouts and Qwen3-30B-A3B on the meta device). Memory per rank, in bytes
                                                            (2f) and activation (f)
     shared     s*b/t * a * (h + 3 f_shared)
   (h hidden, q = heads x head_dim, kv = kv heads x head_dim, f the expert FFN width), routing
-  balanced over the experts. With recompute (full, uniform, one layer) a layer keeps only its
-  input, s*b/t * a * h, and one layer's activations exist at a time in the backward. 1F1B
+  balanced over the experts. Multi-latent attention keeps, in place of 2q + 2kv, its queries,
+  keys, values, output and latents (heads x (2 (nope + rope) + 2 v) + the ranks); a dense layer
+  (DeepSeek-V3's first ones) keeps attention and s*b/t * a * (h + 3 f_dense) for its FFN.
+  With recompute (full, uniform, one layer) a layer keeps only its input, s*b/t * a * h, and
+  one layer's activations exist at a time in the backward. 1F1B
   pipelining keeps pp - stage micro-batches in flight (fewer when a minibatch has fewer);
 - logits on the last stage: s*b * vocab/tp, in the model dtype, and their gradient;
 - the routing-replay record (R2, R3): the step's tokens on this rank x its MoE layers x top-k,
@@ -86,22 +90,58 @@ class RankParameters:
         return self.dense + self.expert
 
 
+def stage_layer_counts(model: MoEModelConfig, dims: ParallelDims, stage: int) -> tuple[int, int]:
+    """How many dense and how many MoE layers pipeline stage `stage` holds (the dense ones, a
+    model's first layers, fall on the first stages)."""
+    per_stage = model.num_layers // dims.pp
+    layers = range(stage * per_stage, (stage + 1) * per_stage)
+    moe = sum(1 for layer in layers if layer in model.moe_layers)
+    return per_stage - moe, moe
+
+
+def _attention_parameters(model: MoEModelConfig, tp: int) -> int:
+    """One layer's attention weights on a rank: GQA (fused QKV, its biases and head norms where
+    the model has them, output projection), or multi-latent attention (down-projections split
+    by TP like column-parallel layers, their norms whole, up-projections and output split)."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    if not model.multi_latent_attention:
+        query = heads * model.kv_channels
+        key_value = model.num_query_groups * model.kv_channels
+        qkv = query + 2 * key_value
+        return (
+            h * qkv // tp
+            + (qkv // tp if model.qkv_bias else 0)
+            + query * h // tp
+            + (2 * model.kv_channels if model.qk_layernorm else 0)
+        )
+    query_head = model.qk_nope_head_dim + model.qk_rope_head_dim
+    if model.q_lora_rank is None:
+        query = h * heads * query_head // tp
+    else:
+        rank = model.q_lora_rank
+        query = h * rank // tp + rank + rank * heads * query_head // tp
+    latent = model.kv_lora_rank
+    key_value = (
+        h * (latent + model.qk_rope_head_dim) // tp
+        + latent
+        + latent * heads * (model.qk_nope_head_dim + model.v_head_dim) // tp
+    )
+    return query + key_value + heads * model.v_head_dim * h // tp
+
+
 def rank_parameters(model: MoEModelConfig, dims: ParallelDims, stage: int) -> RankParameters:
     """The parameters of a rank of pipeline stage `stage` (every rank of a stage holds as many)."""
     h, tp = model.hidden_size, dims.tp
-    query = model.num_attention_heads * model.kv_channels
-    key_value = model.num_query_groups * model.kv_channels
-    per_layer = (
-        2 * h  # input and pre-MLP RMSNorm
-        + h * (query + 2 * key_value) // tp  # fused QKV
-        + query * h // tp  # output projection
-        + (2 * model.kv_channels if model.qk_layernorm else 0)
-        + model.num_experts * h  # router
+    per_layer = 2 * h + _attention_parameters(model, tp)  # + input and pre-MLP RMSNorm
+    dense_mlp = 3 * h * model.ffn_hidden_size // tp
+    moe_layer = (
+        model.num_experts * h  # router
         + 3 * h * (model.shared_expert_ffn_hidden_size or 0) // tp
     )
     expert_per_layer = model.num_experts // dims.ep * 3 * h * model.moe_ffn_hidden_size // dims.etp
-    layers = model.num_layers // dims.pp
-    dense = layers * per_layer
+    dense_layers, moe_layers = stage_layer_counts(model, dims, stage)
+    dense = (dense_layers + moe_layers) * per_layer + dense_layers * dense_mlp
+    dense += moe_layers * moe_layer
     embedding = model.vocab_size // tp * h
     if stage == 0:
         dense += embedding
@@ -111,7 +151,7 @@ def rank_parameters(model: MoEModelConfig, dims: ParallelDims, stage: int) -> Ra
         # its own, which keeps a copy.
         if not model.tie_word_embeddings or dims.pp > 1:
             dense += embedding
-    return RankParameters(dense=dense, expert=layers * expert_per_layer)
+    return RankParameters(dense=dense, expert=moe_layers * expert_per_layer)
 
 
 @dataclass(frozen=True)
@@ -169,15 +209,27 @@ def workload(recipe: Recipe, cluster: Cluster, *, micro_batch: int | None = None
 
 
 def layer_activation_bytes(
-    model: MoEModelConfig, dims: ParallelDims, tokens: int, *, stored_input_only: bool
+    model: MoEModelConfig, dims: ParallelDims, tokens: int, *, stored_input_only: bool, moe: bool
 ) -> int:
-    """One layer's activations for `tokens` tokens of a micro-batch (module docstring)."""
+    """One layer's activations for `tokens` tokens of a micro-batch, an MoE layer's or a dense
+    layer's (module docstring)."""
     a, h, t = BYTES[model.dtype], model.hidden_size, dims.tp
     if stored_input_only:
         return tokens * a * h // t
-    query = model.num_attention_heads * model.kv_channels
-    key_value = model.num_query_groups * model.kv_channels
-    attention = tokens * (a * (2 * h + 2 * query + 2 * key_value) + 4 * model.num_attention_heads)
+    heads = model.num_attention_heads
+    if model.multi_latent_attention:
+        query_head = model.qk_nope_head_dim + model.qk_rope_head_dim
+        query = key = heads * query_head
+        value = heads * model.v_head_dim
+        latent = (model.q_lora_rank or 0) + model.kv_lora_rank + model.qk_rope_head_dim
+        projected = query + key + value + value + latent
+    else:
+        query = heads * model.kv_channels
+        key_value = model.num_query_groups * model.kv_channels
+        projected = 2 * query + 2 * key_value
+    attention = tokens * (a * (2 * h + projected) + 4 * heads)
+    if not moe:
+        return (attention + tokens * a * (h + 3 * model.ffn_hidden_size)) // t
     router = tokens * (2 * a * h + 8 * model.num_experts)
     expert_tokens = tokens * model.router_topk * dims.etp
     experts = expert_tokens * a * (2 * h + 3 * model.moe_ffn_hidden_size // dims.etp)
@@ -204,18 +256,22 @@ def rank_memory(
     )
     use_distributed = recipe.optim.distributed_optimizer and dims.replicates_weights
     tokens = work.sequence * work.micro_batch
-    layers = model.num_layers // dims.pp
+    dense_layers, moe_layers = stage_layer_counts(model, dims, stage)
     micro_batches = max(1, work.samples_per_update // (dims.dp * work.micro_batch))
     in_flight = min(dims.pp - stage, micro_batches)
-    full_layer = layer_activation_bytes(model, dims, tokens, stored_input_only=False)
+    full = {
+        kind: layer_activation_bytes(model, dims, tokens, stored_input_only=False, moe=kind)
+        for kind in (False, True)
+    }
     if work.recompute:
-        stored = layer_activation_bytes(model, dims, tokens, stored_input_only=True)
-        activations = layers * stored * in_flight + full_layer
+        stored = layer_activation_bytes(model, dims, tokens, stored_input_only=True, moe=True)
+        largest = full[True] if moe_layers else full[False]
+        activations = (dense_layers + moe_layers) * stored * in_flight + largest
     else:
-        activations = layers * full_layer * in_flight
+        activations = (dense_layers * full[False] + moe_layers * full[True]) * in_flight
     logits = 2 * a * tokens * model.vocab_size // dims.tp if stage == dims.pp - 1 else 0
     step_tokens = work.samples_per_step // dims.dp * work.sequence // dims.tp
-    record = step_tokens * layers * model.router_topk * INDEX_BYTES if work.replay else 0
+    record = step_tokens * moe_layers * model.router_topk * INDEX_BYTES if work.replay else 0
     return RankMemory(
         stage=stage,
         parameters=params,

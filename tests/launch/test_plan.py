@@ -33,6 +33,8 @@ def _model(path: Path):
 
 
 TINY = _model(TINY_MODEL / "config.json")
+# MLA with YaRN, a dense first layer, then MoE layers with a shared expert
+TINY_DEEPSEEK = _model(EXAMPLES / "tiny_deepseek_v3" / "config.json")
 
 
 def _check_counts(model, layout: dict, world_size: int, device: str = "cpu") -> None:
@@ -55,6 +57,10 @@ def _check_counts(model, layout: dict, world_size: int, device: str = "cpu") -> 
         ("plain", {"tp": 2, "etp": 1}),
         ("tied", {"pp": 2}),  # the last stage keeps a copy of the embedding as its output layer
         ("shared_expert", {"tp": 2}),
+        ("qkv_bias", {"tp": 2}),  # GLM-4.5's biased query/key/value projections
+        ("deepseek", {"tp": 2}),
+        ("deepseek", {"pp": 2}),  # stage 0: the dense layer and an MoE layer; stage 1: two MoE
+        ("deepseek", {"tp": 2, "ep": 2, "etp": 1}),
     ],
 )
 def test_tiny_model_counts_equal_the_built_model(variant, layout):
@@ -62,6 +68,8 @@ def test_tiny_model_counts_equal_the_built_model(variant, layout):
         "plain": TINY,
         "tied": dataclasses.replace(TINY, tie_word_embeddings=True),
         "shared_expert": dataclasses.replace(TINY, shared_expert_ffn_hidden_size=48),
+        "qkv_bias": dataclasses.replace(TINY, qkv_bias=True),
+        "deepseek": TINY_DEEPSEEK,
     }[variant]
     _check_counts(model, layout, world_size=2)
 
