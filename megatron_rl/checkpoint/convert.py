@@ -1,12 +1,15 @@
 """Hugging Face <-> megatron-rl checkpoints (`format.py`), on one process or under torchrun.
 
 Both directions write into a staging directory beside `--out` and rename it when every rank has
-finished (`megatron_rl.files.atomic.staged_directory`).
+finished (`megatron_rl.files.atomic.staged_directory`), and both stream: no rank holds its whole
+model. `hf_to_mcore` makes each tensor from the Hugging Face files when megatron-core's format
+writes it; `mcore_to_hf` loads the checkpoint a part at a time as the weight stream reads it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,24 +17,27 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_rl.checkpoint.format import (
-    load_weights,
+    PartByPart,
     model_sharded_state_dict,
     read_metadata,
     save_weights,
     write_metadata,
 )
 from megatron_rl.files.atomic import staged_directory
+from megatron_rl.files.distcp import TensorValues
 from megatron_rl.files.hf_checkpoint import asset_files, copy_assets, read_config
 from megatron_rl.files.safetensors_shards import TensorSpec, write_safetensors_shards
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import MoEModelConfig
-from megatron_rl.models.families.base import ModelFamily
+from megatron_rl.models.families.base import BoundRule, ModelFamily, bind_rules
 from megatron_rl.models.hf_source import HFSource
 from megatron_rl.models.hf_weights import (
+    HFLoadPlan,
     HFWeightStream,
-    apply_hf_load,
+    TPLayout,
     plan_hf_load,
     stream_hf_weights,
+    tp_slice,
 )
 from megatron_rl.parallel.collectives import raise_together
 from megatron_rl.parallel.dims import ParallelDims
@@ -47,22 +53,43 @@ def hf_to_mcore(
 ) -> None:
     """Convert a Hugging Face checkpoint into a megatron-rl checkpoint (Megatron-Core
     distributed weights). Runs on every rank of a world laid out as `dims`; each rank reads only
-    the tensors of its own shard."""
+    the tensors of its own shard, each when it is written: the model is built (its memory
+    untouched) only for the layout of its state dict."""
     with staged_directory(out, overwrite=overwrite, collective=True) as staging:
         family, config = source.family, source.config
         model = build_gpt_moe(config, dims, initialize=False)
         plan = raise_together(lambda: plan_hf_load(model, family, config, source.checkpoint.shape))
         bar = _Progress(len(plan.entries), "hf-to-mcore", progress and dist.get_rank() == 0)
+        (staging / "weights").mkdir(exist_ok=True)
+        dist.barrier()
         try:
-            apply_hf_load(plan, source.checkpoint.tensor, on_param=bar)
+            values = _values_from_hf(plan, source.checkpoint.tensor, bar)
+            save_weights(model_sharded_state_dict(model), staging / "weights", values)
         finally:
             bar.close()
             source.checkpoint.close()
-        (staging / "weights").mkdir(exist_ok=True)
-        dist.barrier()
-        save_weights(model_sharded_state_dict(model), staging / "weights")
         if dist.get_rank() == 0:
             write_metadata(staging, family, config, source.checkpoint.directory)
+
+
+def _values_from_hf(
+    plan: HFLoadPlan, read: Callable[[str], torch.Tensor], on_value: Callable[[int], None]
+) -> TensorValues:
+    """Each planned model tensor's value, made from the Hugging Face tensors `read(name)`
+    returns when it is written; `on_value(bytes)` after each (progress)."""
+
+    def maker(rule: BoundRule, layout: TPLayout) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            full = rule.transform.to_megatron([read(name) for name in rule.hf], plan.config)
+            on_value(full.numel() * full.element_size())
+            return tp_slice(full, layout)
+
+        return make
+
+    return {
+        tensor.untyped_storage().data_ptr(): (tensor, maker(rule, layout))
+        for tensor, rule, layout in plan.entries
+    }
 
 
 def mcore_to_hf(
@@ -73,17 +100,17 @@ def mcore_to_hf(
     overwrite: bool = False,
     max_shard_bytes: int = 5 * 2**30,
     bucket_bytes: int = 512 * 2**20,
+    part_bytes: int = 512 * 2**20,
     progress: bool = True,
 ) -> None:
     """Write a Hugging Face checkpoint (config.json, sharded safetensors with an index,
-    tokenizer files) from a megatron-rl checkpoint; rank 0 writes, every rank streams."""
+    tokenizer files) from a megatron-rl checkpoint; rank 0 writes, every rank streams. Each rank
+    loads the checkpoint in parts of about `part_bytes` of its own tensors as the stream reaches
+    them (`PartByPart`), so it holds one part and one bucket, not its model."""
     metadata = read_metadata(ckpt)
     family, config = metadata.family, metadata.config
     model = build_gpt_moe(config, dims, initialize=False)
-    wanted = model_sharded_state_dict(model, metadata.format_version)
-    loaded = load_weights(wanted, ckpt)
-    # A training checkpoint also holds the optimizer's state; only the model's is read.
-    model.load_state_dict({key: value for key, value in loaded.items() if key in wanted})
+    parts = PartByPart(model, ckpt, metadata.format_version, bind_rules(family, config), part_bytes)
     export_hf(
         model,
         family,
@@ -94,6 +121,7 @@ def mcore_to_hf(
         max_shard_bytes=max_shard_bytes,
         bucket_bytes=bucket_bytes,
         progress=progress,
+        before_tensor=parts.before_tensor,
     )
 
 
@@ -108,11 +136,15 @@ def export_hf(
     max_shard_bytes: int = 5 * 2**30,
     bucket_bytes: int = 512 * 2**20,
     progress: bool = False,
+    before_tensor: Callable[[str], None] | None = None,
 ) -> None:
     """Write a live model (every rank's `model` chunk, unwrapped) as a Hugging Face checkpoint
-    at `out`, with config.json and tokenizer files from `assets` (a collective)."""
+    at `out`, with config.json and tokenizer files from `assets` (a collective).
+    `before_tensor` is the weight stream's hook (`HFWeightStream`)."""
     with staged_directory(out, overwrite=overwrite, collective=True) as staging:
-        stream = stream_hf_weights(model, family, config, bucket_bytes=bucket_bytes)
+        stream = stream_hf_weights(
+            model, family, config, bucket_bytes=bucket_bytes, before_tensor=before_tensor
+        )
         if dist.get_rank() == 0:
             _write_hf(staging, assets, family, config, stream, max_shard_bytes, progress)
         else:
@@ -129,8 +161,9 @@ class _Progress:
 
     def __call__(self, size: int) -> None:
         self.bytes += size
+        # refreshed as tqdm refreshes the count (at most ten times a second), not per tensor
+        self.bar.set_postfix_str(f"{self.bytes / 2**30:.2f} GiB", refresh=False)
         self.bar.update(1)
-        self.bar.set_postfix_str(f"{self.bytes / 2**30:.2f} GiB")
 
     def close(self) -> None:
         self.bar.close()

@@ -14,7 +14,7 @@ import errno
 import json
 import queue
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +24,12 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-from megatron_rl.files.distcp import check_weights
+from megatron_rl.files.distcp import PartLoads, StreamingSave, TensorValues, check_weights
 from megatron_rl.files.hf_checkpoint import asset_files, copy_assets
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import FAMILIES
 from megatron_rl.models.families.base import ModelFamily
+from megatron_rl.models.hf_weights import global_name
 from megatron_rl.process import children
 from megatron_rl.process.stop import STOPS
 
@@ -61,13 +62,19 @@ def model_sharded_state_dict(
 filesystem_async._results_queue = queue.Queue()
 
 
-def save_weights(state: ShardedStateDict, weights_dir: Path) -> None:
-    """`dist_checkpointing.save` of `state` into `weights_dir` (a collective). Its writer
-    processes are killed when the save is cut (an error, a stop signal); a save that failed
-    for want of space says so (megatron-core's writers report it as a bare position mismatch)."""
+def save_weights(
+    state: ShardedStateDict, weights_dir: Path, values: TensorValues | None = None
+) -> None:
+    """`dist_checkpointing.save` of `state` into `weights_dir` (a collective). With `values`, the
+    values of those tensors are made as they are written, by this process, item by item
+    (`megatron_rl.files.distcp.StreamingSave`: the same files); without, megatron-core's own
+    writer processes write the state as it is, and are killed when the save is cut (an error, a
+    stop signal). A save that failed for want of space says so (megatron-core's writers report
+    it as a bare position mismatch)."""
     children.forks_die_with_this_process()
+    strategy = None if values is None else StreamingSave(values)
     try:
-        dist_checkpointing.save(state, str(weights_dir))
+        dist_checkpointing.save(state, str(weights_dir), sharded_strategy=strategy)
     except BaseException as error:
         children.kill_forked()
         # torch.distributed.checkpoint's CheckpointException is a BaseException, not an Exception
@@ -105,6 +112,93 @@ def load_weights(state: ShardedStateDict, ckpt: Path) -> dict[str, Any]:
     (`check_weights`) so that a damaged file is named rather than met as an EOFError."""
     check_weights(ckpt)
     return dist_checkpointing.load(state, str(ckpt / "weights"))
+
+
+class PartByPart:
+    """The weights of checkpoint `ckpt` (format `format_version`) loaded into `model` a part at a
+    time, in the order a weight stream reads them: `before_tensor` is the stream's hook
+    (`stream_hf_weights(..., before_tensor=...)`). Loading a part releases the one before it
+    (its memory is freed once the stream has handed its tensors on), so that this rank holds one
+    part of at least `part_bytes` (a larger tensor alone), not its whole model.
+
+    The model's tensors are given placeholders of their shapes that hold no memory
+    (`_placeholder`), and a part's tensors get memory only while the part is loaded: memory the
+    part before has just freed, which the allocator hands out again. The memory the model was
+    built with is kept, untouched (address space, not memory): freed, the allocator would hand
+    out its pages one part after another, touching new memory for every part and keeping it.
+
+    `order` is the stream's order of global tensor names (the family's rules); a rank takes
+    the names it holds. No collective: each rank loads its own parts when its stream needs them.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ckpt: Path,
+        format_version: int,
+        order: Iterable[str],
+        part_bytes: int,
+    ) -> None:
+        self.weights_dir = ckpt / "weights"
+        self.strategy = PartLoads(self.weights_dir, check_weights(ckpt))
+        # the model's tensors (parameters, persistent buffers) under the sharded state dict's keys
+        mine = {
+            global_name(model, local): (local, value)
+            for local, value in model.state_dict(keep_vars=True).items()
+            if isinstance(value, torch.Tensor)
+        }
+        self.built_with = [tensor.data for _, tensor in mine.values()]  # kept, never touched
+        for _, tensor in mine.values():
+            tensor.data = _placeholder(tensor)
+        state = model_sharded_state_dict(model, format_version)
+        self.part_of: dict[str, int] = {}
+        self.parts: list[dict[str, Any]] = []  # each part's entries of the sharded state dict
+        self.tensors: list[list[tuple[str, torch.Tensor]]] = []
+        size = part_bytes
+        for name in order:
+            if name not in mine:
+                continue
+            local, tensor = mine[name]
+            if size >= part_bytes:
+                self.parts.append({})
+                self.tensors.append([])
+                size = 0
+            self.parts[-1][local] = state[local]
+            self.tensors[-1].append((local, tensor))
+            size += tensor.numel() * tensor.element_size()
+            self.part_of[name] = len(self.parts) - 1
+        self.loaded: int | None = None
+
+    def before_tensor(self, name: str) -> None:
+        part = self.part_of.get(name)
+        if part is None or part == self.loaded:
+            return
+        if not self.parts[part]:
+            raise RuntimeError(
+                f"{name}: its part was loaded and released before; the stream "
+                "reads the tensors in another order than the one given"
+            )
+        if self.loaded is not None:
+            for _, tensor in self.tensors[self.loaded]:
+                tensor.data = _placeholder(tensor)
+        for _, tensor in self.tensors[part]:
+            tensor.data = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        loaded = dist_checkpointing.load(
+            self.parts[part],
+            str(self.weights_dir),
+            sharded_strategy=self.strategy,
+            # its check exchanges every rank's shards: ranks load their parts on their own
+            validate_access_integrity=False,
+        )
+        for local, tensor in self.tensors[part]:
+            tensor.data = loaded[local]
+        self.parts[part] = {}  # its entries hold views of the part's tensors
+        self.loaded = part
+
+
+def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of `tensor`'s shape, dtype and device that holds one element (expanded)."""
+    return torch.empty((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
 
 
 def write_metadata(ckpt: Path, family: ModelFamily, config: MoEModelConfig, hf_dir: Path) -> None:

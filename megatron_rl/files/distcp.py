@@ -1,26 +1,80 @@
-"""A megatron-core distributed checkpoint's files (`weights/` of a megatron-rl checkpoint),
-checked before they are read, so that a damaged file is named rather than met as an EOFError
-deep in torch.distributed.checkpoint.
+"""A megatron-core distributed checkpoint's files (`weights/` of a megatron-rl checkpoint): checked
+before they are read, written item by item, and read in parts with their index read once.
 
     weights/metadata.json   megatron-core's: which strategy wrote it
     weights/common.pt       megatron-core's: the state every rank shares
     weights/.metadata       torch.distributed.checkpoint's index: each item's file and byte range
     weights/__R_T.distcp    the data, one file per rank and writer
+
+`check_weights` names a damaged file rather than letting it surface as an EOFError deep in
+torch.distributed.checkpoint.
+
+`StreamingSave` writes megatron-core's own `torch_dist` format: its planner, its file names and
+its items in its order within each file, so that the files are byte for byte those its own save
+writes. But a tensor's value can be made only when its first item is written (`TensorValues`),
+and is dropped after its last one, in this process. megatron-core's writer first resolves every
+tensor, cloning each one that is a view (SwiGLU's fc1 halves are two views of one weight), then
+forks writer processes that hold all of it, and passes their results through a queue: a
+conversion that has its whole model in memory needs more than twice the model's size.
+
+`PartLoads` is megatron-core's `torch_dist` load for many parts of one checkpoint: the index,
+whose reading grows with the number of items (16,000 in the benchmark's 7.35 GiB checkpoint,
+docs/conversion.md), is read once, not once per part.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+import torch.distributed.checkpoint as dcp
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
+from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+    FileSystemWriterAsync,
+    _split_by_size_and_type,
+)
+from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreLoadPlanner,
+    MCoreSavePlanner,
+    TorchDistLoadShardedStrategy,
+    _replace_sharded_keys_with_state_dict_keys,
+    _replace_state_dict_keys_with_sharded_keys,
+    _restore_dict_types,
+    _unwrap_pyt_sharded_tensor,
+    mcore_to_pyt_state_dict,
+)
+from megatron.core.dist_checkpointing.utils import nested_values
+from torch.distributed.checkpoint import FileSystemReader, Metadata
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, SerializationFormat, _write_item
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from megatron_rl.parallel.collectives import raise_together
+
+# megatron-core's strategy as its metadata.json names it: its loader reads what StreamingSave
+# writes.
+BACKEND, BACKEND_VERSION = "torch_dist", 1
+# Files per rank: megatron-core's default (its writer's `thread_count`), so that the files and
+# the items in each are the ones its own save writes.
+FILES_PER_RANK = 2
 
 
-def check_weights(ckpt: Path) -> None:
+def check_weights(ckpt: Path) -> Metadata:
     """Raise a ValueError naming the file when checkpoint `ckpt`'s `weights/` is incomplete:
     megatron-core's metadata.json and common.pt, torch.distributed.checkpoint's index
-    (`.metadata`), and every data file at least as long as the index says."""
+    (`.metadata`), and every data file at least as long as the index says. Returns the index."""
     weights = ckpt / "weights"
     readers = {
         "metadata.json": lambda: json.loads((weights / "metadata.json").read_text()),
@@ -49,3 +103,217 @@ def check_weights(ckpt: Path) -> None:
                 f"{path}: truncated ({path.stat().st_size} bytes, its index needs {size}); "
                 f"{ckpt} is damaged"
             )
+    return contents[".metadata"]
+
+
+TensorValues = Mapping[int, tuple[torch.Tensor, Callable[[], torch.Tensor]]]
+"""Tensors of a state dict whose values are made as they are written: by the address of the
+tensor's storage (`tensor.untyped_storage().data_ptr()`), the tensor as the state dict holds it
+(its shape and dtype) and a function that returns its value (of that shape; converted to that
+dtype), called once, when its first item is written. A tensor not in the mapping is written as
+it is."""
+
+
+class StreamingSave(SaveShardedStrategy):
+    """megatron-core's `torch_dist` save written item by item in this process (see the module
+    docstring): `dist_checkpointing.save(state, path, sharded_strategy=StreamingSave(values))`.
+    A collective; if it fails on one rank, every rank raises before the index is written."""
+
+    def __init__(self, values: TensorValues) -> None:
+        super().__init__(BACKEND, BACKEND_VERSION)
+        self.values = values
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True  # as megatron-core's torch_dist: objects go into the same files
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
+        by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict, keep_only_main_replica=True
+        )
+        writer = _ItemWriter(Path(checkpoint_dir), self.values)
+        planned, *_ = save_state_dict_async_plan(
+            mcore_to_pyt_state_dict(by_key, is_loading=False),
+            writer,
+            None,
+            0,
+            planner=MCoreSavePlanner(flatten_state_dict=False),
+        )
+        raise_together(writer.write)
+        save_state_dict_async_finalize(*planned)
+
+
+@dataclass
+class _File:
+    """A data file of this rank: its name, its items in order, what writing them returned."""
+
+    name: str
+    items: list[WriteItem]
+    results: list[WriteResult] = field(default_factory=list)
+
+
+@dataclass
+class _Made:
+    """A tensor's value while items of it remain to be written."""
+
+    value: torch.Tensor | None
+    items_left: int
+
+
+class _ItemWriter(FileSystemWriterAsync):
+    """The files megatron-core's writer would write, with the same items in the same order,
+    written by `write` in this process."""
+
+    def __init__(self, path: Path, values: TensorValues) -> None:
+        super().__init__(path, thread_count=FILES_PER_RANK)
+        self.values = values
+        self.files: list[_File] = []
+        self.planner: SavePlanner | None = None
+
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
+        # megatron-core's split of the items into files, and its file names; nothing is read
+        buckets = _split_by_size_and_type(self.thread_count, plan.items)
+        prefix = plan.storage_data.prefix
+        self.files = [
+            _File(f"{prefix}{index}{DEFAULT_SUFFIX}", items)
+            for index, items in enumerate(items for items in buckets if items)
+        ]
+        self.planner = planner
+
+    def _in_turn(self) -> list[tuple[_File, WriteItem]]:
+        """Every item, one from each file in turn: each file keeps its order, and the halves of
+        one tensor, which the split puts into the files in turn (as it does all items of equal
+        size), are written one after the other, so that its value is held briefly."""
+        longest = max((len(file.items) for file in self.files), default=0)
+        return [
+            (file, file.items[position])
+            for position in range(longest)
+            for file in self.files
+            if position < len(file.items)
+        ]
+
+    def write(self) -> None:
+        """Write every item, then flush each file to the disk."""
+        assert self.planner is not None, "planned by save_state_dict_async_plan first"
+        order = [(file, item, self.planner.resolve_data(item)) for file, item in self._in_turn()]
+        made: dict[int, _Made] = {}
+        for _, _, data in order:
+            address = _address(data)
+            if address in self.values:
+                made.setdefault(address, _Made(None, 0)).items_left += 1
+        with ExitStack() as stack:
+            streams = {
+                file.name: stack.enter_context(open(Path(self.checkpoint_dir) / file.name, "wb"))
+                for file in self.files
+            }
+            for file, item, data in order:
+                address = _address(data)
+                if address in made:
+                    data = self._made_view(data, address, made, item)
+                elif isinstance(data, torch.Tensor) and data.device.type != "cpu":
+                    data = data.cpu()  # torch.save here writes host memory
+                result = _write_item(
+                    self.transforms,
+                    streams[file.name],
+                    _own_storage(data) if isinstance(data, torch.Tensor) else data,
+                    item,
+                    file.name,
+                    SerializationFormat.TORCH_SAVE,
+                )
+                file.results.append(result)
+            for stream in streams.values():
+                stream.flush()
+                os.fsync(stream.fileno())
+
+    def _made_view(
+        self, data: torch.Tensor, address: int, made: dict[int, _Made], item: WriteItem
+    ) -> torch.Tensor:
+        """`data`, a view of a state-dict tensor whose value is made: the same view of the
+        value, made now if this is its first item and dropped after its last."""
+        tensor, make = self.values[address]
+        entry = made[address]
+        if entry.value is None:
+            value = make()
+            if value.shape != tensor.shape:
+                raise ValueError(
+                    f"{item.index.fqn}: its value is {list(value.shape)}, the state dict's "
+                    f"tensor {list(tensor.shape)}"
+                )
+            # in the tensor's own dtype, as copying the value into it would give, in host memory
+            entry.value = value.to("cpu", tensor.dtype).contiguous()
+        view = _same_view(data, tensor, entry.value)
+        entry.items_left -= 1
+        if entry.items_left == 0:
+            del made[address]
+        return view
+
+    def retrieve_write_results(self) -> list[WriteResult]:
+        return [result for file in self.files for result in file.results]
+
+
+def _address(data: Any) -> int | None:
+    return data.untyped_storage().data_ptr() if isinstance(data, torch.Tensor) else None
+
+
+def _same_view(view: torch.Tensor, base: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The view of `value` (contiguous, `base`'s shape) that `view` is of `base`."""
+    if not base.is_contiguous():
+        raise ValueError(f"a state-dict tensor {list(base.shape)} is not contiguous")
+    offset = view.storage_offset() - base.storage_offset()
+    return value.as_strided(view.shape, view.stride(), value.storage_offset() + offset)
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with a storage of exactly its own bytes, which is what torch.save writes: itself,
+    the same memory under a storage of its own when it is a contiguous view of a larger one (no
+    copy), or else a clone (megatron-core's writer clones every view)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == nbytes:
+        return tensor
+    if not tensor.is_contiguous():
+        return tensor.clone()
+    start = tensor.storage_offset() * tensor.element_size()
+    own = torch.empty(0, dtype=tensor.dtype)
+    return own.set_(storage[start : start + nbytes], 0, tensor.shape, tensor.stride())
+
+
+_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+class PartLoads(TorchDistLoadShardedStrategy):
+    """megatron-core's `torch_dist` load of checkpoint parts, the checkpoint's index given (read
+    once: `check_weights`): `dist_checkpointing.load(part, weights, sharded_strategy=this)`.
+    Not a collective: a rank reads its parts alone."""
+
+    def __init__(self, weights_dir: Path, index: Metadata) -> None:
+        super().__init__()
+        self.reader = _IndexedReader(weights_dir, index)
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> dict:
+        by_key, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict
+        )
+        pyt_state = mcore_to_pyt_state_dict(by_key, is_loading=True)
+        tensors = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
+        planner = MCoreLoadPlanner(shapes_validation_sharded_tensors=tensors)
+        # no_dist: every rank reads its own parts when it needs them, no rank waits for another;
+        # torch warns that it assumes a single process, as it does for every such load
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", _NO_DIST_WARNING, UserWarning)
+            dcp.load(pyt_state, storage_reader=self.reader, planner=planner, no_dist=True)
+        loaded = {key: _unwrap_pyt_sharded_tensor(value) for key, value in pyt_state.items()}
+        loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
+        _restore_dict_types(loaded, sharded_state_dict)
+        return loaded
+
+
+class _IndexedReader(FileSystemReader):
+    """torch.distributed.checkpoint's reader of `weights_dir`, with its index given."""
+
+    def __init__(self, weights_dir: Path, index: Metadata) -> None:
+        super().__init__(str(weights_dir))
+        self.index = index
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.index

@@ -12,13 +12,19 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.checkpoint.convert import hf_to_mcore, mcore_to_hf
-from megatron_rl.checkpoint.format import METADATA, model_sharded_state_dict, read_metadata
+from megatron_rl.checkpoint.convert import export_hf, hf_to_mcore, mcore_to_hf
+from megatron_rl.checkpoint.format import (
+    METADATA,
+    PartByPart,
+    model_sharded_state_dict,
+    read_metadata,
+)
 from megatron_rl.files.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.families import family_for
+from megatron_rl.models.families.base import bind_rules
 from megatron_rl.models.hf_source import inspect_hf
-from megatron_rl.models.hf_weights import load_hf_weights, stream_hf_weights
+from megatron_rl.models.hf_weights import global_name, load_hf_weights, stream_hf_weights
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
 
@@ -73,12 +79,63 @@ def _forward_through_stages(
 
 
 def convert_both_ways(launch: LaunchEnv, hf_dir: str, workdir: str, layout: dict) -> dict:
+    """hf-to-mcore into WORKDIR/mcore and back into WORKDIR/hf-again (loading a part per
+    tensor); and into WORKDIR/whole-model what the conversions wrote before they streamed:
+    megatron-core's own save of the model filled from the Hugging Face files (`weights/`), and
+    the export of that live model (`hf/`)."""
     dims = _dims(launch, layout)
     init_distributed(dims, launch)
     ckpt, back = Path(workdir) / "mcore", Path(workdir) / "hf-again"
+    source = inspect_hf(Path(hf_dir))
+    hf_to_mcore(source, ckpt, dims, progress=False)
+    mcore_to_hf(ckpt, back, dims, max_shard_bytes=40_000, part_bytes=1, progress=False)
+    whole = Path(workdir) / "whole-model"
+    model = build_gpt_moe(source.config, dims, initialize=False)
+    read = source.checkpoint
+    load_hf_weights(model, source.family, source.config, read.tensor, read.shape)
+    if dist.get_rank() == 0:
+        (whole / "weights").mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(model_sharded_state_dict(model), str(whole / "weights"))
+    export_hf(
+        model, source.family, source.config, Path(hf_dir), whole / "hf", max_shard_bytes=40_000
+    )
+    return {}
+
+
+def parts_held(launch: LaunchEnv, hf_dir: str, workdir: str) -> list[tuple[str, list[str]]]:
+    """One process: the export's part-by-part load with a part per tensor, followed as the
+    stream reads the model: each tensor as it is read, with the tensors read so far that hold
+    memory."""
+    dims = _dims(launch, {})
+    init_distributed(dims, launch)
+    ckpt = Path(workdir) / "mcore"
     hf_to_mcore(inspect_hf(Path(hf_dir)), ckpt, dims, progress=False)
-    mcore_to_hf(ckpt, back, dims, max_shard_bytes=40_000, progress=False)
-    return {"ckpt": str(ckpt), "back": str(back)}
+    metadata = read_metadata(ckpt)
+    family, config = metadata.family, metadata.config
+    model = build_gpt_moe(config, dims, initialize=False)
+    order = bind_rules(family, config)
+    parts = PartByPart(model, ckpt, metadata.format_version, order, part_bytes=1)
+    tensors = {
+        global_name(model, local): tensor
+        for local, tensor in model.state_dict(keep_vars=True).items()
+        if isinstance(tensor, torch.Tensor)
+    }
+    report: list[tuple[str, list[str]]] = []
+
+    def before_tensor(name: str) -> None:
+        parts.before_tensor(name)
+        read = [entry for entry, _ in report] + [name]
+        report.append((name, [n for n in read if _holds_memory(tensors[n])]))
+
+    for _ in stream_hf_weights(model, family, config, before_tensor=before_tensor):
+        pass
+    return report
+
+
+def _holds_memory(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` has memory of its own size (PartByPart's placeholders hold one element)."""
+    return tensor.untyped_storage().nbytes() >= tensor.numel() * tensor.element_size()
 
 
 def convert_across_layouts(

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from tests.checkpoint import convert_worker
 from tests.checkpoint.tiny_hf import save_tiny
@@ -62,6 +63,9 @@ def test_round_trip_is_bit_exact(hf_dir, layout, tmp_path):
     )
     back = tmp_path / "hf-again"
     _assert_same_tensors(back, hf_dir)
+    # the files the conversions wrote before they streamed, byte for byte
+    _assert_same_files(tmp_path / "mcore" / "weights", tmp_path / "whole-model" / "weights")
+    _assert_same_files(back, tmp_path / "whole-model" / "hf")
     index = json.loads((back / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -89,6 +93,32 @@ def test_tied_embeddings_round_trip_and_stream_once(layout, tmp_path):
     streamed = [entry for bucket in reports[0]["buckets"] for entry in bucket]
     assert sorted(name for name, _, _ in streamed) == sorted(_all_tensors(hf_dir))
     assert all(same for _, _, same in streamed)
+
+
+def _assert_same_files(directory, reference):
+    """The same files, byte for byte; torch.distributed.checkpoint's index (`.metadata`) read,
+    as it records where and when it was written."""
+    names = sorted(path.name for path in reference.iterdir())
+    assert sorted(path.name for path in directory.iterdir()) == names
+    for name in names:
+        if name == ".metadata":
+            ours, theirs = (
+                vars(FileSystemReader(str(d)).read_metadata()) for d in (directory, reference)
+            )
+            assert ours["storage_meta"].checkpoint_id != theirs["storage_meta"].checkpoint_id
+            assert ours | {"storage_meta": None} == theirs | {"storage_meta": None}
+        else:
+            assert (directory / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_the_export_holds_one_part_at_a_time(tmp_path):
+    """mcore-to-hf loads its checkpoint a part at a time as the weight stream reads it: with a
+    part per tensor, when the stream reads a tensor, no tensor read before it holds memory."""
+    hf_dir = save_tiny("qwen3_moe", tmp_path / "hf")
+    (report,) = run_on_ranks(convert_worker.parts_held, str(hf_dir), str(tmp_path), world_size=1)
+    assert len(report) > 20
+    for name, held in report:
+        assert held == [name]
 
 
 def _assert_same_tensors(directory, reference):

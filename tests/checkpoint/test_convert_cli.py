@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,8 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from megatron_rl.cli import main
 from tests.checkpoint.tiny_hf import save_tiny
+from tests.processes import group_gone, live_group_members
 from tests.small_disk import on_small_disk
-from tests.trainer.stop_worker import sigkill_during_save
+from tests.trainer.run_cli import REPO, train_environment
 
 
 @pytest.fixture
@@ -156,9 +161,30 @@ def test_a_full_disk_ends_a_conversion_in_one_line_and_leaves_nothing(hf, tmp_pa
 
 
 def test_sigkill_during_a_conversion_leaves_no_process_and_only_its_staging(hf, tmp_path):
+    """SIGKILL (as `kill -9 PID`) while the conversion writes: the conversion writes in its own
+    process, so nothing outlives it, and only its staging directory is left."""
     out = tmp_path / "out"
     args = ["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out)]
-    writer, main, left = sigkill_during_save(1, tmp_path, args)
-    assert writer != main
-    assert not left, f"processes of the conversion outlived its SIGKILL: {left}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.checkpoint.hold_worker", str(tmp_path), *args],
+        cwd=REPO,
+        env=train_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "writing").is_file():
+            assert process.poll() is None and time.monotonic() < deadline, "no save began"
+            time.sleep(0.1)
+        writer = int((tmp_path / "writing").read_text())
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        assert writer == process.pid  # no writer processes of its own
+        assert group_gone(process.pid, timeout_s=10), live_group_members(process.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
     assert not out.exists() and _leftovers(tmp_path) == [".out.partial"]
