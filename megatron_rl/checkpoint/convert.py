@@ -24,8 +24,8 @@ from megatron_rl.checkpoint.format import (
     write_metadata,
 )
 from megatron_rl.files.atomic import staged_directory
-from megatron_rl.files.distcp import TensorValues
-from megatron_rl.files.hf_checkpoint import asset_files, copy_assets, read_config
+from megatron_rl.files.distcp import TensorValue, TensorValues
+from megatron_rl.files.hf_checkpoint import HFCheckpoint, asset_files, copy_assets, read_config
 from megatron_rl.files.safetensors_shards import TensorSpec, write_safetensors_shards
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import MoEModelConfig
@@ -63,7 +63,7 @@ def hf_to_mcore(
         (staging / "weights").mkdir(exist_ok=True)
         dist.barrier()
         try:
-            values = _values_from_hf(plan, source.checkpoint.tensor, bar)
+            values = _values_from_hf(plan, source.checkpoint, bar)
             save_weights(model_sharded_state_dict(model), staging / "weights", values)
         finally:
             bar.close()
@@ -73,21 +73,22 @@ def hf_to_mcore(
 
 
 def _values_from_hf(
-    plan: HFLoadPlan, read: Callable[[str], torch.Tensor], on_value: Callable[[int], None]
+    plan: HFLoadPlan, checkpoint: HFCheckpoint, on_value: Callable[[int], None]
 ) -> TensorValues:
-    """Each planned model tensor's value, made from the Hugging Face tensors `read(name)`
-    returns when it is written; `on_value(bytes)` after each (progress)."""
+    """Each planned model tensor's value, made from the Hugging Face tensors of `checkpoint`
+    when it is written; `on_value(bytes)` after each (progress)."""
 
-    def maker(rule: BoundRule, layout: TPLayout) -> Callable[[], torch.Tensor]:
+    def value(tensor: torch.Tensor, rule: BoundRule, layout: TPLayout) -> TensorValue:
         def make() -> torch.Tensor:
-            full = rule.transform.to_megatron([read(name) for name in rule.hf], plan.config)
+            hf = [checkpoint.tensor(name) for name in rule.hf]
+            full = rule.transform.to_megatron(hf, plan.config)
             on_value(full.numel() * full.element_size())
             return tp_slice(full, layout)
 
-        return make
+        return TensorValue(tensor, make, lambda: checkpoint.prefetch(rule.hf))
 
     return {
-        tensor.untyped_storage().data_ptr(): (tensor, maker(rule, layout))
+        tensor.untyped_storage().data_ptr(): value(tensor, rule, layout)
         for tensor, rule, layout in plan.entries
     }
 

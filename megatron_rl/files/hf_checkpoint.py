@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,6 +80,7 @@ class HFCheckpoint:
         self._file_of = self._weight_map()
         self._handles: dict[Path, Any] = {}
         self._bytes_read: dict[Path, int] = {}
+        self._ranges: dict[Path, dict[str, tuple[int, int]]] = {}
 
     def _weight_map(self) -> dict[str, Path]:
         index = self.directory / INDEX_NAME
@@ -141,6 +143,43 @@ class HFCheckpoint:
             self._handles.pop(path, None)
             self._bytes_read[path] = 0
         return tensor
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Have the kernel start reading these tensors' bytes (a hint; it returns at once). A
+        caller that reads tensors in an order of its own, not the files', from files not in
+        the page cache, would otherwise wait for the disk at every few pages it touches."""
+        if not hasattr(os, "posix_fadvise"):
+            return  # not on this system: the tensors are read when they are touched
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._path(name), []).append(name)
+        for path, file_names in by_file.items():
+            ranges = self._byte_ranges(path)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for name in file_names:
+                    start, end = ranges[name]
+                    os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+    def _byte_ranges(self, path: Path) -> dict[str, tuple[int, int]]:
+        """Where each tensor's bytes lie in safetensors file `path` (its header: an 8-byte
+        little-endian length, then JSON with each tensor's `data_offsets` after the header)."""
+        if path not in self._ranges:
+            try:
+                with open(path, "rb") as file:
+                    (length,) = struct.unpack("<Q", file.read(8))
+                    header = json.loads(file.read(length))
+                start = 8 + length
+                self._ranges[path] = {
+                    name: (start + entry["data_offsets"][0], start + entry["data_offsets"][1])
+                    for name, entry in header.items()
+                    if name != "__metadata__"
+                }
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+                raise ValueError(f"{path}: not a readable safetensors header ({error})") from None
+        return self._ranges[path]
 
     def close(self) -> None:
         """Unmap every open file."""

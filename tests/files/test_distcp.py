@@ -12,9 +12,18 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_rl.checkpoint.format import save_weights
+from megatron_rl.files.distcp import TensorValue
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
 from tests.parallel.harness import run_on_ranks
+
+
+def _address(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _save_and_load(launch: LaunchEnv, directory: str) -> dict:
@@ -27,7 +36,7 @@ def _save_and_load(launch: LaunchEnv, directory: str) -> dict:
     value = torch.arange(12, dtype=torch.float64).reshape(4, 3)
     good, bad = Path(directory) / "good", Path(directory) / "bad"
     good.mkdir()
-    save_weights(state, good, {made.untyped_storage().data_ptr(): (made, lambda: value)})
+    save_weights(state, good, {_address(made): TensorValue(made, lambda: value, _nothing)})
     wanted = {
         "made": ShardedTensor.from_rank_offsets("made", torch.empty(4, 3)),
         "kept": ShardedTensor.from_rank_offsets("kept", torch.empty(6)),
@@ -38,7 +47,7 @@ def _save_and_load(launch: LaunchEnv, directory: str) -> dict:
         save_weights(
             {"made": ShardedTensor.from_rank_offsets("made", made)},
             bad,
-            {made.untyped_storage().data_ptr(): (made, lambda: torch.zeros(2, 3))},
+            {_address(made): TensorValue(made, lambda: torch.zeros(2, 3), _nothing)},
         )
         refused = ""
     except ValueError as error:

@@ -81,3 +81,22 @@ def test_order_shape_and_completeness_are_checked(tmp_path):
     extra = [*tensors.items(), ("e.weight", torch.ones(1))]
     with pytest.raises(ValueError, match=r"'e\.weight' was not announced"):
         write_safetensors_shards(tmp_path, specs, iter(extra), max_shard_bytes=1 << 20)
+
+
+def test_the_byte_ranges_prefetched_hold_each_tensor(tmp_path):
+    """`HFCheckpoint.prefetch` asks the kernel for each tensor's bytes where the file holds
+    them: read there, they are the tensor."""
+    tensors = _tensors()
+    write_safetensors_shards(tmp_path, _specs(tensors), iter(tensors.items()), max_shard_bytes=200)
+    (tmp_path / "config.json").write_text("{}")
+    checkpoint = HFCheckpoint(tmp_path)
+    checkpoint.prefetch(tensors)
+    for name, tensor in tensors.items():
+        path = checkpoint._path(name)
+        start, end = checkpoint._byte_ranges(path)[name]
+        with open(path, "rb") as file:
+            file.seek(start)
+            stored = file.read(end - start)
+        assert stored == tensor.contiguous().view(torch.uint8).numpy().tobytes(), name
+    with pytest.raises(ValueError, match=r"tensor 'e\.weight' is missing from the checkpoint"):
+        checkpoint.prefetch(["e.weight"])
