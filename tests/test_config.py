@@ -86,8 +86,10 @@ def test_every_shipped_recipe_loads_and_validates():
     assert len(recipes) >= 5
     for path in recipes:
         recipe = load_config(Recipe, path)
-        if path.name.startswith("tiny_"):
-            assert Path(recipe.model.hf_path).name == "tiny_qwen3_moe", path
+        if path.name.startswith("tiny_"):  # a tiny model shipped beside them
+            model = Path(recipe.model.hf_path)
+            assert model.parent == Path("examples/moe") and model.name.startswith("tiny_"), path
+            assert (examples / model.name / "config.json").is_file(), path
 
 
 @pytest.mark.parametrize(
