@@ -13,6 +13,7 @@ safetensors shard.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import statistics
@@ -128,10 +129,12 @@ print(code, seconds, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 """
 
 
-def _timed(command: list[str]) -> dict[str, float]:
+def _timed(command: list[str], pythonpath: Path | None = None) -> dict[str, float]:
     """Wall time and peak resident memory (of its largest process) of `command`, started after
-    everything earlier was flushed to the disk, so that a step pays only for its own writes."""
+    everything earlier was flushed to the disk, so that a step pays only for its own writes;
+    with `pythonpath`, the megatron_rl package is imported from that checkout."""
     subprocess.run(["sync"], check=True)
+    env = None if pythonpath is None else {**os.environ, "PYTHONPATH": str(pythonpath)}
     with tempfile.TemporaryFile() as stderr:
         done = subprocess.run(
             [sys.executable, "-S", "-c", _MEASURE, *command],
@@ -139,6 +142,7 @@ def _timed(command: list[str]) -> dict[str, float]:
             stderr=stderr,
             text=True,
             check=True,
+            env=env,
         )
         code, seconds, peak_kib = done.stdout.split()
         if int(code) != 0:
@@ -163,6 +167,8 @@ COPY_LABELS = {
     "cp-user+sync": "cp -r --reflink=never && sync",
 }
 CONVERSIONS = ("hf-to-mcore", "mcore-to-hf")
+# The suffix of a baseline checkout's conversion steps (`--baseline`).
+BASELINE = " (baseline)"
 KEY_FORMAT_LABELS = {
     1: "each expert weight one tensor of layers x experts slices",
     2: "a key per layer and expert",
@@ -173,8 +179,12 @@ STARTUP = "start-up"
 STARTUP_IMPORTS = "import megatron_rl.checkpoint.convert, megatron_rl.parallel.distributed"
 
 
-def _round(spec: ConvertBenchSpec, workdir: Path, hf_dir: Path) -> dict[str, dict[str, float]]:
-    """Every step once, in a fixed order; outputs are removed after each step that needs none."""
+def _round(
+    spec: ConvertBenchSpec, workdir: Path, hf_dir: Path, baseline: Path | None, first: bool
+) -> dict[str, dict[str, float]]:
+    """Every step once, in a fixed order; outputs are removed after each step that needs none.
+    With a `baseline` checkout its conversions run beside this one's, each direction of the two
+    back to back, the baseline's `first` or second (alternate it between rounds)."""
     steps = {}
     for name, template in COPIES.items():
         target = workdir / f"copy-{name}"
@@ -183,22 +193,39 @@ def _round(spec: ConvertBenchSpec, workdir: Path, hf_dir: Path) -> dict[str, dic
         shutil.rmtree(target)
     steps[STARTUP] = _timed([sys.executable, "-c", STARTUP_IMPORTS])
     cli, mcore, hf_back = _cli(), workdir / "mcore", workdir / "hf-back"
-    steps["hf-to-mcore"] = _timed(
-        [cli, "convert", "hf-to-mcore", "--hf", str(hf_dir), "--out", str(mcore)]
-    )
-    steps["mcore-to-hf"] = _timed(
-        [
-            cli,
-            "convert",
-            "mcore-to-hf",
-            "--ckpt",
-            str(mcore),
-            "--out",
-            str(hf_back),
-            "--max-shard-mib",
-            str(spec.max_shard_mib),
-        ]
-    )
+    checkouts = {"": None} if baseline is None else {"": None, BASELINE: baseline}
+    order = list(checkouts.items())[:: -1 if first else 1]
+    for label, checkout in order:
+        shutil.rmtree(mcore, ignore_errors=True)
+        steps["hf-to-mcore" + label] = _timed(
+            [
+                cli,
+                "convert",
+                "hf-to-mcore",
+                "--hf",
+                str(hf_dir),
+                "--out",
+                str(mcore),
+                "--overwrite",
+            ],
+            pythonpath=checkout,
+        )
+    for label, checkout in order:
+        shutil.rmtree(hf_back, ignore_errors=True)
+        steps["mcore-to-hf" + label] = _timed(
+            [
+                cli,
+                "convert",
+                "mcore-to-hf",
+                "--ckpt",
+                str(mcore),
+                "--out",
+                str(hf_back),
+                "--max-shard-mib",
+                str(spec.max_shard_mib),
+            ],
+            pythonpath=checkout,
+        )
     shutil.rmtree(mcore)
     shutil.rmtree(hf_back)
     return steps
@@ -248,13 +275,22 @@ def time_checkpoint_keys(layers: int, experts: int, workdir: Path) -> dict[str, 
     return times
 
 
-def _measure_size(spec: ConvertBenchSpec, workdir: Path, rounds: int) -> dict[str, object]:
+def _conversions(steps: dict) -> list[str]:
+    """The conversion steps measured: this checkout's, then a baseline's."""
+    return [
+        name + label for label in ("", BASELINE) for name in CONVERSIONS if name + label in steps
+    ]
+
+
+def _measure_size(
+    spec: ConvertBenchSpec, workdir: Path, rounds: int, baseline: Path | None
+) -> dict[str, object]:
     """`rounds` rounds of every step on a checkpoint of `spec`'s shape; each step's median time
     and its highest peak memory."""
     hf_dir = workdir / "hf"
     weight_bytes = write_synthetic_checkpoint(spec, hf_dir)
     largest_shard = max(p.stat().st_size for p in hf_dir.glob("*.safetensors"))
-    runs = [_round(spec, workdir, hf_dir) for _ in range(rounds)]
+    runs = [_round(spec, workdir, hf_dir, baseline, first=i % 2 == 0) for i in range(rounds)]
     shutil.rmtree(hf_dir)
     steps = {
         name: {
@@ -270,11 +306,11 @@ def _measure_size(spec: ConvertBenchSpec, workdir: Path, rounds: int) -> dict[st
         "largest_shard_bytes": largest_shard,
         "steps": steps,
         "time_vs": {
-            copy: {k: steps[k]["seconds"] / steps[copy]["seconds"] for k in CONVERSIONS}
+            copy: {k: steps[k]["seconds"] / steps[copy]["seconds"] for k in _conversions(steps)}
             for copy in COPIES
         },
         "peak_vs_largest_shard": {
-            k: steps[k]["peak_rss_kib"] * 1024 / largest_shard for k in CONVERSIONS
+            k: steps[k]["peak_rss_kib"] * 1024 / largest_shard for k in _conversions(steps)
         },
     }
 
@@ -288,7 +324,7 @@ def fit_marginal_cost(sizes: list[dict]) -> dict[str, dict[str, float]]:
     gib = [size["weight_bytes"] / 2**30 for size in sizes]
     mean_gib = statistics.fmean(gib)
     fit = {}
-    for step in (*COPIES, *CONVERSIONS):
+    for step in (*COPIES, *_conversions(sizes[0]["steps"])):
         seconds = [size["steps"][step]["seconds"] for size in sizes]
         mean_s = statistics.fmean(seconds)
         slope = sum((g - mean_gib) * (t - mean_s) for g, t in zip(gib, seconds, strict=True)) / sum(
@@ -299,15 +335,24 @@ def fit_marginal_cost(sizes: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def run_benchmark(
-    spec: ConvertBenchSpec, workdir: Path, rounds: int = 3, layer_counts: tuple[int, ...] = ()
+    spec: ConvertBenchSpec,
+    workdir: Path,
+    rounds: int = 3,
+    layer_counts: tuple[int, ...] = (),
+    baseline: Path | None = None,
 ) -> dict[str, object]:
     """Every step at `spec`'s size, or at each of `layer_counts` layers (two or more: also the
-    fit of time over size). The report's top-level figures are the largest size's."""
+    fit of time over size); with `baseline` (another checkout's root) also its conversions, in
+    the same rounds. The report's top-level figures are the largest size's."""
+    if baseline is not None and not (baseline / "megatron_rl" / "__init__.py").is_file():
+        raise ValueError(f"--baseline {baseline}: not a megatron-rl checkout (no megatron_rl/)")
     if workdir.exists():
         shutil.rmtree(workdir)
     counts = sorted(layer_counts) or [spec.num_layers]
     sizes = [
-        _measure_size(replace(spec, num_layers=count), workdir / f"layers-{count}", rounds)
+        _measure_size(
+            replace(spec, num_layers=count), workdir / f"layers-{count}", rounds, baseline
+        )
         for count in counts
     ]
     report = {
@@ -321,15 +366,30 @@ def run_benchmark(
         "machine": machine(),
         "date": now(),
     }
+    if baseline is not None:
+        report["baseline"] = {"path": str(baseline), "commit": _commit(baseline)}
     if len(sizes) > 1:
         fit = fit_marginal_cost(sizes)
         report["fit"] = fit
         report["slope_vs"] = {
-            copy: {k: fit[k]["slope_s_per_gib"] / fit[copy]["slope_s_per_gib"] for k in CONVERSIONS}
+            copy: {
+                k: fit[k]["slope_s_per_gib"] / fit[copy]["slope_s_per_gib"]
+                for k in _conversions(fit)
+            }
             for copy in COPIES
         }
     shutil.rmtree(workdir)
     return report
+
+
+def _commit(checkout: Path) -> str | None:
+    """The commit `checkout` is at, when it is a git checkout."""
+    done = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def format_markdown(report: dict) -> str:
@@ -338,6 +398,12 @@ def format_markdown(report: dict) -> str:
         f"{report['machine']['cores']} cores, {report['date']}. Median of {report['rounds']} "
         "rounds; peak memory is the highest of them.",
     ]
+    if "baseline" in report:
+        baseline = report["baseline"]
+        lines.append(
+            f"Steps marked{BASELINE}: the conversions of the checkout {baseline['path']} "
+            f"(commit {baseline['commit']}), in the same rounds."
+        )
     for size in report.get("sizes", [report]):
         lines += ["", *_size_table(size)]
     if "fit" in report:
@@ -365,7 +431,7 @@ def _size_table(size: dict) -> list[str]:
         f"| {STARTUP} (`python -c '{STARTUP_IMPORTS}'`) | {steps[STARTUP]['seconds']:.1f} | "
         f"{blanks} | | |"
     )
-    for step in CONVERSIONS:
+    for step in _conversions(steps):
         ratios = [f"{size['time_vs'][c][step]:.2f}" for c in COPIES]
         lines.append(
             f"| {step} | {steps[step]['seconds']:.1f} | "
@@ -392,11 +458,11 @@ def _fit_table(report: dict) -> list[str]:
         + f" | at {PROJECTED_BYTES / 1e9:.0f} GB (s) |",
         "|---|---|---|" + "---|" * len(COPIES) + "---|",
     ]
-    for step in (*COPIES, *CONVERSIONS):
+    for step in (*COPIES, *_conversions(fit)):
         line = fit[step]
         ratios = (
             [f"{report['slope_vs'][c][step]:.2f}" for c in COPIES]
-            if step in CONVERSIONS
+            if step not in COPIES
             else ["1.00" if c == step else "" for c in COPIES]
         )
         label = COPY_LABELS.get(step, step)

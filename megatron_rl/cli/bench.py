@@ -121,12 +121,22 @@ BENCH_COMMANDS = {
                 "--workdir",
                 {"default": "runs/bench/convert-work", "help": "scratch space (removed after)"},
             ),
+            (
+                "--baseline",
+                {
+                    "type": Path,
+                    "default": None,
+                    "help": "another megatron-rl checkout (e.g. a git worktree of an earlier "
+                    "commit) whose conversions run in the same rounds",
+                },
+            ),
         ),
         lambda bench, args: bench.run_benchmark(
             bench.ConvertBenchSpec(num_layers=args.layers[0], max_shard_mib=args.max_shard_mib),
             Path(args.workdir),
             rounds=args.rounds,
             layer_counts=tuple(args.layers),
+            baseline=args.baseline,
         ),
     ),
     "replay": _BenchCommand(

@@ -33,8 +33,9 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -71,6 +72,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from megatron_rl.files.write_behind import WriteBehind
 from megatron_rl.parallel.collectives import raise_together
 
 # megatron-core's strategy as its metadata.json names it: its loader reads what StreamingSave
@@ -213,7 +215,8 @@ class _ItemWriter(FileSystemWriterAsync):
         ]
 
     def write(self) -> None:
-        """Write every item, then flush each file to the disk."""
+        """Write every item, then flush each file to the disk: each file by a thread of its own
+        (`WriteBehind`), while this thread makes the values they write."""
         assert self.planner is not None, "planned by save_state_dict_async_plan first"
         order = [(file, item, self.planner.resolve_data(item)) for file, item in self._in_turn()]
         made: dict[int, _Made] = {}
@@ -224,10 +227,13 @@ class _ItemWriter(FileSystemWriterAsync):
         self.upcoming = deque(made)  # in the order of their first items
         self.prefetched = 0  # bytes prefetched and not yet made
         self._prefetch_ahead()
-        with ExitStack() as stack:
+        with ExitStack() as stack, WriteBehind(lanes=len(self.files)) as behind:
             streams = {
-                file.name: stack.enter_context(open(Path(self.checkpoint_dir) / file.name, "wb"))
-                for file in self.files
+                file.name: (
+                    lane,
+                    stack.enter_context(open(Path(self.checkpoint_dir) / file.name, "wb")),
+                )
+                for lane, file in enumerate(self.files)
             }
             for file, item, data in order:
                 address = _address(data)
@@ -235,18 +241,19 @@ class _ItemWriter(FileSystemWriterAsync):
                     data = self._made_view(data, address, made, item)
                 elif isinstance(data, torch.Tensor) and data.device.type != "cpu":
                     data = data.cpu()  # torch.save here writes host memory
-                result = _write_item(
-                    self.transforms,
-                    streams[file.name],
-                    _own_storage(data) if isinstance(data, torch.Tensor) else data,
-                    item,
-                    file.name,
-                    SerializationFormat.TORCH_SAVE,
-                )
-                file.results.append(result)
-            for stream in streams.values():
-                stream.flush()
-                os.fsync(stream.fileno())
+                nbytes = 0
+                if isinstance(data, torch.Tensor):
+                    data, nbytes = _own_storage(data), _nbytes(data)
+                lane, stream = streams[file.name]
+                behind.put(lane, partial(self._write_item, file, stream, item, data), nbytes)
+            for lane, stream in streams.values():
+                behind.put(lane, partial(_flush_to_disk, stream))
+
+    def _write_item(self, file: _File, stream: IO[bytes], item: WriteItem, data: Any) -> None:
+        result = _write_item(
+            self.transforms, stream, data, item, file.name, SerializationFormat.TORCH_SAVE
+        )
+        file.results.append(result)
 
     def _made_view(
         self, data: torch.Tensor, address: int, made: dict[int, _Made], item: WriteItem
@@ -280,6 +287,11 @@ class _ItemWriter(FileSystemWriterAsync):
 
     def retrieve_write_results(self) -> list[WriteResult]:
         return [result for file in self.files for result in file.results]
+
+
+def _flush_to_disk(stream: IO[bytes]) -> None:
+    stream.flush()
+    os.fsync(stream.fileno())
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -8,13 +8,15 @@ import os
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from megatron_rl.files.atomic import write_text_atomic
 from megatron_rl.files.hf_checkpoint import INDEX_NAME
+from megatron_rl.files.write_behind import WriteBehind
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,36 @@ def _header(specs: list[TensorSpec]) -> bytes:
     return struct.pack("<Q", len(header)) + header
 
 
-def _close_durably(handle: Any) -> None:
-    """Flush a written file to the disk before closing it (a finished export survives a crash)."""
-    handle.flush()
-    os.fsync(handle.fileno())
-    handle.close()
+def _check_arrival(name: str, tensor: torch.Tensor, spec: TensorSpec) -> None:
+    if (name, tuple(tensor.shape), tensor.dtype) != (spec.name, spec.shape, spec.dtype):
+        raise ValueError(
+            f"tensor {name!r} {list(tensor.shape)} {tensor.dtype} arrived where "
+            f"{spec.name!r} {list(spec.shape)} {spec.dtype} was announced"
+        )
+
+
+class _ShardFile:
+    """The shard being written; its methods run in the writing thread (`WriteBehind`)."""
+
+    def __init__(self) -> None:
+        self.handle: IO[bytes] | None = None
+
+    def start(self, path: Path, header: bytes) -> None:
+        self.close()
+        self.handle = open(path, "wb")  # noqa: SIM115 (closed by close)
+        self.handle.write(header)
+
+    def write(self, data: torch.Tensor) -> None:
+        assert self.handle is not None, "a shard is started before its tensors are written"
+        self.handle.write(memoryview(data.view(torch.uint8).numpy()))
+
+    def close(self) -> None:
+        """Flush the shard to the disk before closing it (a finished export survives a crash)."""
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            with handle:
+                handle.flush()
+                os.fsync(handle.fileno())
 
 
 def write_safetensors_shards(
@@ -92,36 +119,33 @@ def write_safetensors_shards(
 ) -> dict[str, str]:
     """Write `tensors`, arriving in the order of `specs`, as `model-0000i-of-0000N.safetensors`
     shards plus the index; returns the weight map. Each shard's header is written from the specs
-    before its data, and each tensor goes to disk as it arrives: nothing is accumulated."""
+    before its data, and each tensor goes to disk as it arrives, written by a thread of its own
+    while the next ones are made: nothing is accumulated."""
     shards = plan_shards(specs, max_shard_bytes)
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     expected = iter((spec, i) for i, shard in enumerate(shards) for spec in shard)
-    handle = None
+    shard = _ShardFile()
     current = -1
     try:
-        for name, tensor in tensors:
-            entry = next(expected, None)
-            if entry is None:
-                raise ValueError(f"tensor {name!r} was not announced")
-            spec, index = entry
-            if (name, tuple(tensor.shape), tensor.dtype) != (spec.name, spec.shape, spec.dtype):
-                raise ValueError(
-                    f"tensor {name!r} {list(tensor.shape)} {tensor.dtype} arrived where "
-                    f"{spec.name!r} {list(spec.shape)} {spec.dtype} was announced"
-                )
-            if index != current:
-                if handle is not None:
-                    _close_durably(handle)
-                handle = open(directory / files[index], "wb")  # noqa: SIM115 (closed below)
-                handle.write(_header(shards[index]))
-                current = index
-            data = tensor.detach().contiguous().cpu()
-            handle.write(memoryview(data.view(torch.uint8).numpy()))
-            if on_tensor is not None:
-                on_tensor(spec.nbytes)
+        with WriteBehind(lanes=1) as behind:
+            for name, tensor in tensors:
+                entry = next(expected, None)
+                if entry is None:
+                    raise ValueError(f"tensor {name!r} was not announced")
+                spec, index = entry
+                _check_arrival(name, tensor, spec)
+                if index != current:
+                    behind.put(
+                        0, partial(shard.start, directory / files[index], _header(shards[index]))
+                    )
+                    current = index
+                data = tensor.detach().contiguous().cpu()
+                behind.put(0, partial(shard.write, data), spec.nbytes)
+                if on_tensor is not None:
+                    on_tensor(spec.nbytes)
+            behind.put(0, shard.close)
     finally:
-        if handle is not None:
-            _close_durably(handle)
+        shard.close()
     missing = next(expected, None)
     if missing is not None:
         raise ValueError(f"tensor {missing[0].name!r} was announced but never arrived")

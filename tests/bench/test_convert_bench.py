@@ -1,12 +1,22 @@
-"""The conversion benchmark runs end to end on small synthetic models of two sizes and reports
-its figures and their fit over the size (a smoke test: the figures themselves come from
-`megatron-rl bench convert`); the fit is the line through the sizes."""
+"""The conversion benchmark runs end to end on small synthetic models of two sizes, with a
+baseline checkout's conversions beside this one's, and reports its figures and their fit over the
+size (a smoke test: the figures themselves come from `megatron-rl bench convert`); the fit is the
+line through the sizes."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from megatron_rl.bench import convert as convert_bench
+
+REPO = Path(__file__).resolve().parents[2]
+# this checkout's conversions, then the baseline's (this checkout again, imported by its path)
+STEPS = (
+    *convert_bench.CONVERSIONS,
+    *(s + convert_bench.BASELINE for s in convert_bench.CONVERSIONS),
+)
 
 
 def test_bench_convert_runs_and_reports(tmp_path):
@@ -19,22 +29,24 @@ def test_bench_convert_runs_and_reports(tmp_path):
         keys_layers=2,
         keys_experts=4,
     )
-    report = convert_bench.run_benchmark(spec, tmp_path / "work", rounds=1, layer_counts=(2, 1))
+    report = convert_bench.run_benchmark(
+        spec, tmp_path / "work", rounds=1, layer_counts=(2, 1), baseline=REPO
+    )
     assert not (tmp_path / "work").exists()  # scratch space removed
     assert [size["num_layers"] for size in report["sizes"]] == [1, 2]  # the largest on top
     assert report["weight_bytes"] == report["sizes"][1]["weight_bytes"]
     assert report["sizes"][0]["weight_bytes"] < report["weight_bytes"]
-    assert set(report["fit"]) == {*convert_bench.COPIES, *convert_bench.CONVERSIONS}
-    for step in convert_bench.CONVERSIONS:
+    assert set(report["fit"]) == {*convert_bench.COPIES, *STEPS}
+    for step in STEPS:
         assert report["slope_vs"]["cp+sync"][step] == (
             report["fit"][step]["slope_s_per_gib"] / report["fit"]["cp+sync"]["slope_s_per_gib"]
         )
     assert report["weight_bytes"] > 0 and report["largest_shard_bytes"] == report["weight_bytes"]
-    for step in (*convert_bench.COPIES, convert_bench.STARTUP, *convert_bench.CONVERSIONS):
+    for step in (*convert_bench.COPIES, convert_bench.STARTUP, *STEPS):
         assert len(report["steps"][step]["runs_seconds"]) == 1
         assert min(report["steps"][step]["runs_seconds"]) <= report["steps"][step]["seconds"]
         assert report["steps"][step]["seconds"] <= max(report["steps"][step]["runs_seconds"])
-    for step in convert_bench.CONVERSIONS:
+    for step in STEPS:
         # the converting process's own peak (torch and megatron-core alone take over 128 MiB)
         assert report["steps"][step]["peak_rss_kib"] > 128 * 1024
         assert set(report["time_vs"]) == set(convert_bench.COPIES)
@@ -48,6 +60,13 @@ def test_bench_convert_runs_and_reports(tmp_path):
     assert json_path.is_file() and "| hf-to-mcore |" in md_path.read_text()
     assert "| 2: a key per layer and expert |" in md_path.read_text()
     assert "| hf-to-mcore | " in md_path.read_text() and "s per GiB" in md_path.read_text()
+    assert "| mcore-to-hf (baseline) | " in md_path.read_text()
+    assert report["baseline"]["path"] == str(REPO)
+
+
+def test_a_baseline_that_is_no_checkout_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"--baseline .*: not a megatron-rl checkout"):
+        convert_bench.run_benchmark(convert_bench.ConvertBenchSpec(), tmp_path, baseline=tmp_path)
 
 
 def _size(gib: float, seconds: dict[str, float]) -> dict:
