@@ -206,7 +206,6 @@ def _round(
                 str(hf_dir),
                 "--out",
                 str(mcore),
-                "--overwrite",
             ],
             pythonpath=checkout,
         )

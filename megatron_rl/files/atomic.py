@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import torch.distributed as dist
 
@@ -28,6 +29,12 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
 
+def flush_to_disk(handle: IO[bytes]) -> None:
+    """Flush an open file's writes through Python's buffer and the page cache to the disk."""
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write `data` to `path` through a temporary file in the same directory and an atomic
     rename; a file already at `path` keeps its permissions, a new one gets open()'s."""
@@ -37,8 +44,7 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+            flush_to_disk(handle)
         if target.exists():
             shutil.copymode(target, tmp_name)
         else:

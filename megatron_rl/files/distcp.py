@@ -72,6 +72,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from megatron_rl.files.atomic import flush_to_disk
 from megatron_rl.files.write_behind import WriteBehind
 from megatron_rl.parallel.collectives import raise_together
 
@@ -247,7 +248,7 @@ class _ItemWriter(FileSystemWriterAsync):
                 lane, stream = streams[file.name]
                 behind.put(lane, partial(self._write_item, file, stream, item, data), nbytes)
             for lane, stream in streams.values():
-                behind.put(lane, partial(_flush_to_disk, stream))
+                behind.put(lane, partial(flush_to_disk, stream))
 
     def _write_item(self, file: _File, stream: IO[bytes], item: WriteItem, data: Any) -> None:
         result = _write_item(
@@ -287,11 +288,6 @@ class _ItemWriter(FileSystemWriterAsync):
 
     def retrieve_write_results(self) -> list[WriteResult]:
         return [result for file in self.files for result in file.results]
-
-
-def _flush_to_disk(stream: IO[bytes]) -> None:
-    stream.flush()
-    os.fsync(stream.fileno())
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from typing import IO, Any
 
 import torch
 
-from megatron_rl.files.atomic import write_text_atomic
+from megatron_rl.files.atomic import flush_to_disk, write_text_atomic
 from megatron_rl.files.hf_checkpoint import INDEX_NAME
 from megatron_rl.files.write_behind import WriteBehind
 
@@ -105,8 +104,7 @@ class _ShardFile:
         if self.handle is not None:
             handle, self.handle = self.handle, None
             with handle:
-                handle.flush()
-                os.fsync(handle.fileno())
+                flush_to_disk(handle)
 
 
 def write_safetensors_shards(
