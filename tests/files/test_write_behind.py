@@ -54,26 +54,24 @@ def _fail() -> None:
 def test_a_failed_write_is_raised_by_the_next_put_and_stops_every_lane():
     written: list[str] = []
     go = threading.Event()
-    with pytest.raises(OSError, match="No space left"):
-        with WriteBehind(lanes=2, ahead_bytes=10) as behind:
-            try:
-                behind.put(1, go.wait, nbytes=1)
-                behind.put(1, lambda: written.append("queued before the failure"))
-                behind.put(0, _fail)
-                # over the budget until lane 1 moves on: waits, then raises lane 0's error
-                behind.put(1, lambda: written.append("put after the failure"), nbytes=10)
-            finally:
-                go.set()
+    with pytest.raises(OSError, match="No space left"), WriteBehind(2, ahead_bytes=10) as behind:
+        try:
+            behind.put(1, go.wait, nbytes=1)
+            behind.put(1, lambda: written.append("queued before the failure"))
+            behind.put(0, _fail)
+            # over the budget until lane 1 moves on: waits, then raises lane 0's error
+            behind.put(1, lambda: written.append("put after the failure"), nbytes=10)
+        finally:
+            go.set()
     assert written == []
 
 
 def test_an_error_of_the_making_drops_what_is_queued():
     written: list[str] = []
     go = threading.Event()
-    with pytest.raises(ValueError, match="bad value"):
-        with WriteBehind(lanes=1) as behind:
-            behind.put(0, go.wait)
-            behind.put(0, lambda: written.append("queued"))
-            threading.Timer(1.0, go.set).start()  # after the error below has stopped the lane
-            raise ValueError("bad value")
+    with pytest.raises(ValueError, match="bad value"), WriteBehind(lanes=1) as behind:
+        behind.put(0, go.wait)
+        behind.put(0, lambda: written.append("queued"))
+        threading.Timer(1.0, go.set).start()  # after the error below has stopped the lane
+        raise ValueError("bad value")
     assert written == []
