@@ -193,38 +193,30 @@ def _round(
         shutil.rmtree(target)
     steps[STARTUP] = _timed([sys.executable, "-c", STARTUP_IMPORTS])
     cli, mcore, hf_back = _cli(), workdir / "mcore", workdir / "hf-back"
-    checkouts = {"": None} if baseline is None else {"": None, BASELINE: baseline}
-    order = list(checkouts.items())[:: -1 if first else 1]
-    for label, checkout in order:
-        shutil.rmtree(mcore, ignore_errors=True)
-        steps["hf-to-mcore" + label] = _timed(
-            [
-                cli,
-                "convert",
-                "hf-to-mcore",
-                "--hf",
-                str(hf_dir),
-                "--out",
-                str(mcore),
-            ],
-            pythonpath=checkout,
-        )
-    for label, checkout in order:
-        shutil.rmtree(hf_back, ignore_errors=True)
-        steps["mcore-to-hf" + label] = _timed(
+    checkouts = [("", None)] if baseline is None else [("", None), (BASELINE, baseline)]
+    if first:
+        checkouts.reverse()
+    conversions = {  # each direction: its command and its output
+        "hf-to-mcore": ([cli, "convert", "hf-to-mcore", "--hf", hf_dir, "--out", mcore], mcore),
+        "mcore-to-hf": (
             [
                 cli,
                 "convert",
                 "mcore-to-hf",
                 "--ckpt",
-                str(mcore),
+                mcore,
                 "--out",
-                str(hf_back),
+                hf_back,
                 "--max-shard-mib",
-                str(spec.max_shard_mib),
+                spec.max_shard_mib,
             ],
-            pythonpath=checkout,
-        )
+            hf_back,
+        ),
+    }
+    for direction, (command, output) in conversions.items():
+        for label, checkout in checkouts:
+            shutil.rmtree(output, ignore_errors=True)
+            steps[direction + label] = _timed([str(arg) for arg in command], pythonpath=checkout)
     shutil.rmtree(mcore)
     shutil.rmtree(hf_back)
     return steps
