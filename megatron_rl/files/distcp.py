@@ -27,7 +27,6 @@ at once.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -73,6 +72,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from megatron_rl.files.atomic import flush_to_disk
+from megatron_rl.files.readahead import read_ahead
 from megatron_rl.files.write_behind import WriteBehind
 from megatron_rl.parallel.collectives import raise_together
 
@@ -364,16 +364,11 @@ class _IndexedReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # Every item's bytes asked of the kernel at once before they are read one at a time:
         # the disk reads them in its own order, not one item's after the other's.
-        if hasattr(os, "posix_fadvise"):
-            by_file: dict[str, list[Any]] = {}
-            for item in plan.items:
-                info = self.storage_data[item.storage_index]
-                by_file.setdefault(info.relative_path, []).append(info)
-            for name, infos in by_file.items():
-                fd = os.open(Path(self.path) / name, os.O_RDONLY)
-                try:
-                    for info in infos:
-                        os.posix_fadvise(fd, info.offset, info.length, os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
+        by_file: dict[Path, list[tuple[int, int]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            by_file.setdefault(Path(self.path) / info.relative_path, []).append(
+                (info.offset, info.length)
+            )
+        read_ahead(by_file)
         return super().read_data(plan, planner)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from megatron_rl.files.readahead import read_ahead
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Tokenizer and generation files copied along with the weights when present.
@@ -145,23 +147,13 @@ class HFCheckpoint:
         return tensor
 
     def prefetch(self, names: Iterable[str]) -> None:
-        """Have the kernel start reading these tensors' bytes (a hint; it returns at once). A
-        caller that reads tensors in an order of its own, not the files', from files not in
-        the page cache, would otherwise wait for the disk at every few pages it touches."""
-        if not hasattr(os, "posix_fadvise"):
-            return  # not on this system: the tensors are read when they are touched
-        by_file: dict[Path, list[str]] = {}
+        """Have the kernel start reading these tensors' bytes (a hint; it returns at once)."""
+        by_file: dict[Path, list[tuple[int, int]]] = {}
         for name in names:
-            by_file.setdefault(self._path(name), []).append(name)
-        for path, file_names in by_file.items():
-            ranges = self._byte_ranges(path)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                for name in file_names:
-                    start, end = ranges[name]
-                    os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
+            path = self._path(name)
+            start, end = self._byte_ranges(path)[name]
+            by_file.setdefault(path, []).append((start, end - start))
+        read_ahead(by_file)
 
     def _byte_ranges(self, path: Path) -> dict[str, tuple[int, int]]:
         """Where each tensor's bytes lie in safetensors file `path` (its header: an 8-byte
