@@ -9,7 +9,7 @@ writes it; `mcore_to_hf` loads the checkpoint a part at a time as the weight str
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from megatron_rl.checkpoint.format import (
 )
 from megatron_rl.files.atomic import staged_directory
 from megatron_rl.files.distcp import TensorValue, TensorValues
+from megatron_rl.files.file_ranges import FileRange
 from megatron_rl.files.hf_checkpoint import HFCheckpoint, asset_files, copy_assets, read_config
 from megatron_rl.files.safetensors_shards import TensorSpec, write_safetensors_shards
 from megatron_rl.models.build import build_gpt_moe
@@ -38,6 +39,7 @@ from megatron_rl.models.hf_weights import (
     plan_hf_load,
     stream_hf_weights,
     tp_slice,
+    unchanged_ranges,
 )
 from megatron_rl.parallel.collectives import raise_together
 from megatron_rl.parallel.dims import ParallelDims
@@ -103,15 +105,21 @@ def mcore_to_hf(
     bucket_bytes: int = 512 * 2**20,
     part_bytes: int = 512 * 2**20,
     progress: bool = True,
-) -> None:
+) -> list[str]:
     """Write a Hugging Face checkpoint (config.json, sharded safetensors with an index,
     tokenizer files) from a megatron-rl checkpoint; rank 0 writes, every rank streams. Each rank
     loads the checkpoint in parts of about `part_bytes` of its own tensors as the stream reaches
-    them (`PartByPart`), so it holds one part and one bucket, not its model."""
+    them (`PartByPart`), so it holds one part and one bucket, not its model. The tensors that
+    rank 0, the writer, holds whole and exports unchanged (expert weights, norms, embeddings:
+    `unchanged_ranges`) are not read there: their bytes are copied from the checkpoint's files
+    into the shards, file to file, where they are stored as they are exported. Returns the names
+    of the Hugging Face tensors so copied (on rank 0; none elsewhere)."""
     metadata = read_metadata(ckpt)
     family, config = metadata.family, metadata.config
     model = build_gpt_moe(config, dims, initialize=False)
-    parts = PartByPart(model, ckpt, metadata.format_version, bind_rules(family, config), part_bytes)
+    unchanged = unchanged_ranges(model, family, config) if dist.get_rank() == 0 else {}
+    order = bind_rules(family, config)
+    parts = PartByPart(model, ckpt, metadata.format_version, order, part_bytes, unchanged)
     export_hf(
         model,
         family,
@@ -123,7 +131,9 @@ def mcore_to_hf(
         bucket_bytes=bucket_bytes,
         progress=progress,
         before_tensor=parts.before_tensor,
+        stored=parts.located,
     )
+    return sorted(parts.located)
 
 
 def export_hf(
@@ -138,16 +148,19 @@ def export_hf(
     bucket_bytes: int = 512 * 2**20,
     progress: bool = False,
     before_tensor: Callable[[str], None] | None = None,
+    stored: Mapping[str, Sequence[FileRange]] | None = None,
 ) -> None:
     """Write a live model (every rank's `model` chunk, unwrapped) as a Hugging Face checkpoint
     at `out`, with config.json and tokenizer files from `assets` (a collective).
-    `before_tensor` is the weight stream's hook (`HFWeightStream`)."""
+    `before_tensor` is the weight stream's hook (`HFWeightStream`); `stored`, where rank 0
+    copies Hugging Face tensors' bytes from instead of writing them
+    (`write_safetensors_shards`)."""
     with staged_directory(out, overwrite=overwrite, collective=True) as staging:
         stream = stream_hf_weights(
             model, family, config, bucket_bytes=bucket_bytes, before_tensor=before_tensor
         )
         if dist.get_rank() == 0:
-            _write_hf(staging, assets, family, config, stream, max_shard_bytes, progress)
+            _write_hf(staging, assets, family, config, stream, max_shard_bytes, progress, stored)
         else:
             for _ in stream:
                 pass
@@ -178,6 +191,7 @@ def _write_hf(
     stream: HFWeightStream,
     max_shard_bytes: int,
     progress: bool,
+    stored: Mapping[str, Sequence[FileRange]] | None,
 ) -> None:
     """Rank 0: the streamed weights as safetensors shards, with config.json and the tokenizer
     files from the Hugging Face directory `assets` (config.json made from `config` if absent)."""
@@ -188,7 +202,7 @@ def _write_hf(
     try:
         tensors = (pair for bucket in stream for pair in bucket)
         write_safetensors_shards(
-            staging, specs, tensors, max_shard_bytes=max_shard_bytes, on_tensor=bar
+            staging, specs, tensors, max_shard_bytes=max_shard_bytes, on_tensor=bar, stored=stored
         )
     finally:
         bar.close()

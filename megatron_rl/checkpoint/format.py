@@ -14,17 +14,18 @@ import errno
 import json
 import queue
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_rl.files.distcp import PartLoads, StreamingSave, TensorValues, check_weights
+from megatron_rl.files.file_ranges import FileRange
 from megatron_rl.files.hf_checkpoint import asset_files, copy_assets
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import FAMILIES
@@ -129,6 +130,11 @@ class PartByPart:
 
     `order` is the stream's order of global tensor names (the family's rules); a rank takes
     the names it holds. No collective: each rank loads its own parts when its stream needs them.
+
+    `unchanged` names, by tensor, byte ranges `(name, start, end)` of it that are only copied
+    elsewhere as they are stored (`megatron_rl.models.hf_weights.unchanged_ranges`). Those
+    stored unchanged are not read: `located` gives their places in the checkpoint's files, by
+    name, from the time their part is loaded; their memory is left as it is.
     """
 
     def __init__(
@@ -138,9 +144,11 @@ class PartByPart:
         format_version: int,
         order: Iterable[str],
         part_bytes: int,
+        unchanged: Mapping[str, list[tuple[str, int, int]]] | None = None,
     ) -> None:
         self.weights_dir = ckpt / "weights"
         self.strategy = PartLoads(self.weights_dir, check_weights(ckpt))
+        self.unchanged = unchanged or {}
         # the model's tensors (parameters, persistent buffers) under the sharded state dict's keys
         mine = {
             global_name(model, local): (local, value)
@@ -153,7 +161,7 @@ class PartByPart:
         state = model_sharded_state_dict(model, format_version)
         self.part_of: dict[str, int] = {}
         self.parts: list[dict[str, Any]] = []  # each part's entries of the sharded state dict
-        self.tensors: list[list[tuple[str, torch.Tensor]]] = []
+        self.tensors: list[list[tuple[str, str, torch.Tensor]]] = []  # local, global name
         size = part_bytes
         for name in order:
             if name not in mine:
@@ -163,8 +171,11 @@ class PartByPart:
                 self.parts.append({})
                 self.tensors.append([])
                 size = 0
-            self.parts[-1][local] = state[local]
-            self.tensors[-1].append((local, tensor))
+            entry = state[local]
+            if isinstance(entry, ShardedTensorFactory) and _is_swiglu_merge(entry.merge_fn):
+                entry.merge_fn = _merged_in_place(entry.merge_fn)
+            self.parts[-1][local] = entry
+            self.tensors[-1].append((local, name, tensor))
             size += tensor.numel() * tensor.element_size()
             self.part_of[name] = len(self.parts) - 1
         self.loaded: int | None = None
@@ -179,10 +190,14 @@ class PartByPart:
                 "reads the tensors in another order than the one given"
             )
         if self.loaded is not None:
-            for _, tensor in self.tensors[self.loaded]:
+            for _, _, tensor in self.tensors[self.loaded]:
                 tensor.data = _placeholder(tensor)
-        for _, tensor in self.tensors[part]:
+        unread = {}
+        for _, name, tensor in self.tensors[part]:
             tensor.data = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            for hf_name, start, end in self.unchanged.get(name, ()):
+                unread[(tensor.data_ptr() + start, tensor.data_ptr() + end)] = hf_name
+        self.strategy.locate_instead(unread)
         loaded = dist_checkpointing.load(
             self.parts[part],
             str(self.weights_dir),
@@ -190,10 +205,50 @@ class PartByPart:
             # its check exchanges every rank's shards: ranks load their parts on their own
             validate_access_integrity=False,
         )
-        for local, tensor in self.tensors[part]:
+        for local, _, tensor in self.tensors[part]:
             tensor.data = loaded[local]
         self.parts[part] = {}  # its entries hold views of the part's tensors
         self.loaded = part
+
+    @property
+    def located(self) -> dict[str, list[FileRange]]:
+        """Where the unchanged byte ranges of the parts loaded so far are, by name."""
+        return self.strategy.located
+
+
+# megatron-core's merge of a SwiGLU weight's two loaded halves: `torch.cat` of them on dim 0.
+_SWIGLU_MERGE = "apply_swiglu_sharded_factory.<locals>.sh_ten_merge_fn"
+
+
+def _is_swiglu_merge(merge: Callable[..., Any]) -> bool:
+    return getattr(merge, "__qualname__", None) == _SWIGLU_MERGE
+
+
+def _merged_in_place(merge: Callable[[list[torch.Tensor]], torch.Tensor]) -> Callable:
+    """megatron-core's SwiGLU `merge`, without its copy when the halves lie one after the other
+    in one memory, as they do when loaded into the halves of the model's own tensor: that
+    memory, as one tensor. A copy would touch memory (a part's worth) that nothing needs, and
+    read the halves whose bytes were left unread (`unchanged`)."""
+
+    def merged(halves: list[torch.Tensor]) -> torch.Tensor:
+        first = halves[0]
+        address = first.data_ptr()
+        for half in halves:
+            consecutive = (
+                half.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and half.is_contiguous()
+                and half.data_ptr() == address
+                and half.dtype == first.dtype
+                and half.shape[1:] == first.shape[1:]
+            )
+            if not consecutive:
+                return merge(halves)
+            address += half.nbytes
+        rows = sum(half.shape[0] for half in halves)
+        whole = torch.empty(0, dtype=first.dtype, device=first.device)
+        return whole.set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+
+    return merged
 
 
 def _placeholder(tensor: torch.Tensor) -> torch.Tensor:

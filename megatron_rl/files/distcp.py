@@ -21,18 +21,22 @@ more than twice the model's size.
 `PartLoads` is megatron-core's `torch_dist` load for many parts of one checkpoint: the index,
 whose reading grows with the number of items (16,000 in the benchmark's 7.35 GiB checkpoint,
 docs/conversion.md), is read once, not once per part; each part's bytes are asked of the disk
-at once.
+at once. Where a caller will only copy some of a tensor's bytes elsewhere, unchanged, it names
+them (`locate_instead`), and they are found in the files rather than read (`located`).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+import os
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import IO, Any
 
@@ -62,8 +66,10 @@ from megatron.core.dist_checkpointing.utils import nested_values
 from torch.distributed.checkpoint import FileSystemReader, Metadata
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, SerializationFormat, _write_item
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     LoadPlanner,
+    ReadItem,
     SavePlan,
     SavePlanner,
     WriteItem,
@@ -72,7 +78,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from megatron_rl.files.atomic import flush_to_disk
+from megatron_rl.files.file_ranges import FileRange
 from megatron_rl.files.readahead import read_ahead
+from megatron_rl.files.torch_records import stored_tensor
 from megatron_rl.files.write_behind import WriteBehind
 from megatron_rl.parallel.collectives import raise_together
 
@@ -333,6 +341,19 @@ class PartLoads(TorchDistLoadShardedStrategy):
         super().__init__()
         self.reader = _IndexedReader(weights_dir, index)
 
+    def locate_instead(self, ranges: Mapping[tuple[int, int], str]) -> None:
+        """For the next loads: memory address ranges `(start, end)` of the tensors to be loaded
+        whose bytes are wanted only as they are stored, by name. A range whose bytes are stored
+        unchanged in the files (each a whole item's tensor, in row-major order, of the same
+        dtype) is left unread, and its name is given its places in the files in `located`;
+        any other range is read as usual."""
+        self.reader.instead = dict(ranges)
+
+    @property
+    def located(self) -> dict[str, list[FileRange]]:
+        """Where the bytes of the ranges left unread are, in order, by the ranges' names."""
+        return self.reader.located
+
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> dict:
         by_key, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict
@@ -357,13 +378,16 @@ class _IndexedReader(FileSystemReader):
     def __init__(self, weights_dir: Path, index: Metadata) -> None:
         super().__init__(str(weights_dir))
         self.index = index
+        self.instead: dict[tuple[int, int], str] = {}  # PartLoads.locate_instead
+        self.located: dict[str, list[FileRange]] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.index
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # Every item's bytes asked of the kernel at once before they are read one at a time:
-        # the disk reads them in its own order, not one item's after the other's.
+        # the disk reads them in its own order, not one item's after the other's. Those located
+        # instead are read soon after, by the copy.
         by_file: dict[Path, list[tuple[int, int]]] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]
@@ -371,4 +395,99 @@ class _IndexedReader(FileSystemReader):
                 (info.offset, info.length)
             )
         read_ahead(by_file)
-        return super().read_data(plan, planner)
+        items = self._locate(plan.items, planner) if self.instead else plan.items
+        return super().read_data(replace(plan, items=items), planner)
+
+    def _locate(self, items: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
+        """`items` less those whose bytes fill ranges of `instead` exactly, whole stored
+        tensors one after the other; each such range's places go into `located`."""
+        ranges = sorted(self.instead)
+        starts = [start for start, _ in ranges]
+        pieces: dict[tuple[int, int], list[tuple[int, ReadItem, FileRange]]] = {}
+        spoiled: set[tuple[int, int]] = set()  # ranges that some item must be read into
+        with _OpenFiles(Path(self.path)) as files:
+            for item in items:
+                if item.type != LoadItemType.TENSOR:
+                    continue
+                # as resolve_tensor, less megatron-core's state kept for its commit_tensor
+                dest = planner.transform_tensor(item, planner.lookup_tensor(item.dest_index))
+                if type(dest) is not torch.Tensor or dest.device.type != "cpu":
+                    continue  # not in host memory, where the ranges are
+                start, end = _span(dest)
+                hit = []
+                for r in islice(ranges, max(bisect.bisect_right(starts, start) - 1, 0), None):
+                    if r[0] >= end:
+                        break
+                    if start < r[1]:
+                        hit.append(r)
+                if not hit:
+                    continue
+                data = self._stored_bytes(item, dest, files)
+                whole = len(hit) == 1 and hit[0][0] <= start and end <= hit[0][1]
+                if data is None or not whole:
+                    spoiled.update(hit)
+                else:
+                    pieces.setdefault(hit[0], []).append((start, item, data))
+        left_unread: set[int] = set()
+        for (start, end), found in pieces.items():
+            found.sort(key=lambda piece: piece[0])
+            if (start, end) not in spoiled and _tiles(start, end, found):
+                self.located[self.instead[(start, end)]] = [data for _, _, data in found]
+                left_unread.update(id(item) for _, item, _ in found)
+        return [item for item in items if id(item) not in left_unread]
+
+    def _stored_bytes(
+        self, item: ReadItem, dest: torch.Tensor, files: _OpenFiles
+    ) -> FileRange | None:
+        """Where the bytes that `item` reads into `dest` are stored unchanged, if they are."""
+        info = self.storage_data[item.storage_index]
+        if info.transform_descriptors or any(item.storage_offsets) or not dest.is_contiguous():
+            return None
+        stored = stored_tensor(
+            files.fd(info.relative_path), files.path(info.relative_path), info.offset, info.length
+        )
+        if stored is None or stored.shape != tuple(item.lengths) or stored.dtype != dest.dtype:
+            return None
+        return stored.data
+
+
+def _tiles(start: int, end: int, pieces: list[tuple[int, ReadItem, FileRange]]) -> bool:
+    """Whether `pieces` (by address, each with its length) fill `start`..`end` exactly."""
+    position = start
+    for address, _, data in pieces:
+        if address != position:
+            return False
+        position += data.length
+    return position == end
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The memory addresses `tensor`'s elements lie between (positive strides)."""
+    strides = zip(tensor.shape, tensor.stride(), strict=True)
+    last = sum((size - 1) * stride for size, stride in strides)
+    if tensor.numel() == 0:
+        last = -1
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+
+
+class _OpenFiles:
+    """Files of a directory opened for reading as they are asked for, closed on leaving."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.fds: dict[str, int] = {}
+
+    def __enter__(self) -> _OpenFiles:
+        return self
+
+    def path(self, name: str) -> Path:
+        return self.directory / name
+
+    def fd(self, name: str) -> int:
+        if name not in self.fds:
+            self.fds[name] = os.open(self.directory / name, os.O_RDONLY)
+        return self.fds[name]
+
+    def __exit__(self, *_: object) -> None:
+        for fd in self.fds.values():
+            os.close(fd)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -14,6 +14,7 @@ from typing import IO, Any
 import torch
 
 from megatron_rl.files.atomic import flush_to_disk, write_text_atomic
+from megatron_rl.files.file_ranges import FileRange, RangeCopier
 from megatron_rl.files.hf_checkpoint import INDEX_NAME
 from megatron_rl.files.write_behind import WriteBehind
 
@@ -89,6 +90,7 @@ class _ShardFile:
 
     def __init__(self) -> None:
         self.handle: IO[bytes] | None = None
+        self.copier = RangeCopier()
 
     def start(self, path: Path, header: bytes) -> None:
         self.close()
@@ -98,6 +100,11 @@ class _ShardFile:
     def write(self, data: torch.Tensor) -> None:
         assert self.handle is not None, "a shard is started before its tensors are written"
         self.handle.write(memoryview(data.view(torch.uint8).numpy()))
+
+    def copy(self, ranges: Sequence[FileRange]) -> None:
+        assert self.handle is not None, "a shard is started before its tensors are written"
+        self.handle.flush()  # the copy goes to the file's position, after what is buffered
+        self.copier.append(ranges, self.handle.fileno())
 
     def close(self) -> None:
         """Flush the shard to the disk before closing it (a finished export survives a crash)."""
@@ -114,11 +121,17 @@ def write_safetensors_shards(
     *,
     max_shard_bytes: int,
     on_tensor: Callable[[int], None] | None = None,
+    stored: Mapping[str, Sequence[FileRange]] | None = None,
 ) -> dict[str, str]:
     """Write `tensors`, arriving in the order of `specs`, as `model-0000i-of-0000N.safetensors`
     shards plus the index; returns the weight map. Each shard's header is written from the specs
     before its data, and each tensor goes to disk as it arrives, written by a thread of its own
-    while the next ones are made: nothing is accumulated."""
+    while the next ones are made: nothing is accumulated.
+
+    A tensor whose name `stored` has when it arrives is not read: its bytes are copied from
+    those file ranges, file to file (`RangeCopier`)."""
+    if stored is None:
+        stored = {}
     shards = plan_shards(specs, max_shard_bytes)
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     expected = iter((spec, i) for i, shard in enumerate(shards) for spec in shard)
@@ -137,13 +150,24 @@ def write_safetensors_shards(
                         0, partial(shard.start, directory / files[index], _header(shards[index]))
                     )
                     current = index
-                data = tensor.detach().contiguous().cpu()
-                behind.put(0, partial(shard.write, data), spec.nbytes)
+                ranges = stored.get(name)
+                if ranges is not None:
+                    if sum(r.length for r in ranges) != spec.nbytes:
+                        raise ValueError(
+                            f"tensor {name!r}: its stored bytes are "
+                            f"{sum(r.length for r in ranges)}, its {spec.dtype} "
+                            f"{list(spec.shape)} has {spec.nbytes}"
+                        )
+                    behind.put(0, partial(shard.copy, ranges))
+                else:
+                    data = tensor.detach().contiguous().cpu()
+                    behind.put(0, partial(shard.write, data), spec.nbytes)
                 if on_tensor is not None:
                     on_tensor(spec.nbytes)
             behind.put(0, shard.close)
     finally:
         shard.close()
+        shard.copier.close()
     missing = next(expected, None)
     if missing is not None:
         raise ValueError(f"tensor {missing[0].name!r} was announced but never arrived")

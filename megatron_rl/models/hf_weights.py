@@ -161,6 +161,32 @@ def expected_hf_shapes(
     return [tuple(t.shape) for t in rule.transform.to_hf(meta, config)]
 
 
+def unchanged_ranges(
+    model: torch.nn.Module, family: ModelFamily, config: MoEModelConfig
+) -> dict[str, list[tuple[str, int, int]]]:
+    """This rank's whole (not tensor-parallel split) Megatron-Core tensors whose Hugging Face
+    tensors are all byte ranges of them, as the rules' `to_hf` makes them (a copy, the
+    contiguous halves of a fused gate/up weight; not a regrouped QKV): by global Megatron-Core
+    name, `(hf_name, start, end)` in bytes. Their values are needed only as bytes to copy."""
+    bound = bind_rules(family, config)
+    layouts = tp_layouts(model)
+    ranges = {}
+    for local_name, param in named_weights(model):
+        name = global_name(model, local_name)
+        if layouts[local_name].dim is not None or name not in bound:
+            continue
+        full = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        hf_tensors = bound[name].transform.to_hf(full, config)
+        found = [
+            (hf_name, tensor.storage_offset() * tensor.element_size(), tensor.nbytes)
+            for hf_name, tensor in zip(bound[name].hf, hf_tensors, strict=True)
+            if (tensor is full or tensor._base is full) and tensor.is_contiguous()
+        ]
+        if found and len(found) == len(hf_tensors):
+            ranges[name] = [(hf_name, start, start + size) for hf_name, start, size in found]
+    return ranges
+
+
 @dataclass(frozen=True)
 class HFLoadPlan:
     """What `apply_hf_load` will copy: each local parameter with its rule and TP layout."""

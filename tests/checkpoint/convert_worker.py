@@ -82,13 +82,13 @@ def convert_both_ways(launch: LaunchEnv, hf_dir: str, workdir: str, layout: dict
     """hf-to-mcore into WORKDIR/mcore and back into WORKDIR/hf-again (loading a part per
     tensor); and into WORKDIR/whole-model what the conversions wrote before they streamed:
     megatron-core's own save of the model filled from the Hugging Face files (`weights/`), and
-    the export of that live model (`hf/`)."""
+    the export of that live model (`hf/`). Returns the tensors mcore-to-hf copied file to file."""
     dims = _dims(launch, layout)
     init_distributed(dims, launch)
     ckpt, back = Path(workdir) / "mcore", Path(workdir) / "hf-again"
     source = inspect_hf(Path(hf_dir))
     hf_to_mcore(source, ckpt, dims, progress=False)
-    mcore_to_hf(ckpt, back, dims, max_shard_bytes=40_000, part_bytes=1, progress=False)
+    copied = mcore_to_hf(ckpt, back, dims, max_shard_bytes=40_000, part_bytes=1, progress=False)
     whole = Path(workdir) / "whole-model"
     model = build_gpt_moe(source.config, dims, initialize=False)
     read = source.checkpoint
@@ -100,7 +100,7 @@ def convert_both_ways(launch: LaunchEnv, hf_dir: str, workdir: str, layout: dict
     export_hf(
         model, source.family, source.config, Path(hf_dir), whole / "hf", max_shard_bytes=40_000
     )
-    return {}
+    return {"copied": copied}
 
 
 def parts_held(launch: LaunchEnv, hf_dir: str, workdir: str) -> list[tuple[str, list[str]]]:
@@ -147,7 +147,8 @@ def convert_across_layouts(
     format_version: int,
 ) -> dict:
     """hf-to-mcore at `save_layout`, rewritten in checkpoint format `format_version` (as an older
-    megatron-rl wrote it), then mcore-to-hf at `export_layout`; returns the saved tensor keys."""
+    megatron-rl wrote it), then mcore-to-hf at `export_layout`; returns the saved tensor keys
+    and the tensors the export copied file to file."""
     dims = _dims(launch, save_layout)
     init_distributed(dims, launch)
     ckpt, back = Path(workdir) / "mcore", Path(workdir) / "hf-again"
@@ -172,8 +173,8 @@ def convert_across_layouts(
     saved_keys = sorted(dist_checkpointing.load_tensors_metadata(str(ckpt / "weights")))
     dims = _dims(launch, export_layout)
     init_distributed(dims, launch)  # megatron-core's groups made again for the export layout
-    mcore_to_hf(ckpt, back, dims, max_shard_bytes=40_000, progress=False)
-    return {"saved_keys": saved_keys}
+    copied = mcore_to_hf(ckpt, back, dims, max_shard_bytes=40_000, progress=False)
+    return {"saved_keys": saved_keys, "copied": copied}
 
 
 def stream_report(launch: LaunchEnv, hf_dir: str, layout: dict, bucket_bytes: int) -> dict:

@@ -6,6 +6,7 @@ dense layer and an MoE layer), with untied and tied embeddings."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -58,11 +59,12 @@ def test_logits_of_converted_model_match_hugging_face(hf_dir, layout):
 @pytest.mark.parametrize("layout", ["single", "tp2_ep2", "pp2"])
 def test_round_trip_is_bit_exact(hf_dir, layout, tmp_path):
     dims, world = LAYOUTS[layout]
-    run_on_ranks(
+    reports = run_on_ranks(
         convert_worker.convert_both_ways, str(hf_dir), str(tmp_path), dims, world_size=world
     )
     back = tmp_path / "hf-again"
     _assert_same_tensors(back, hf_dir)
+    _assert_experts_copied(reports[0]["copied"], hf_dir, all_of_them=layout == "single")
     # the files the conversions wrote before they streamed, byte for byte
     _assert_same_files(tmp_path / "mcore" / "weights", tmp_path / "whole-model" / "weights")
     _assert_same_files(back, tmp_path / "whole-model" / "hf")
@@ -93,6 +95,20 @@ def test_tied_embeddings_round_trip_and_stream_once(layout, tmp_path):
     streamed = [entry for bucket in reports[0]["buckets"] for entry in bucket]
     assert sorted(name for name, _, _ in streamed) == sorted(_all_tensors(hf_dir))
     assert all(same for _, _, same in streamed)
+
+
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def _assert_experts_copied(copied, hf_dir, *, all_of_them):
+    """The export copied expert weights from the checkpoint's files (all of them when one
+    process holds every expert), and no fused QKV's parts (regrouped, so written)."""
+    experts = {name for name in _all_tensors(hf_dir) if _EXPERT.search(name)}
+    assert experts & set(copied)
+    assert set(copied) <= set(_all_tensors(hf_dir))
+    if all_of_them:
+        assert experts <= set(copied)
+    assert not [name for name in copied if name.endswith(("k_proj.weight", "v_proj.weight"))]
 
 
 def _assert_same_files(directory, reference):
@@ -147,6 +163,12 @@ def test_checkpoint_of_either_format_exports_at_another_layout(
         world_size=2,
     )
     _assert_same_tensors(tmp_path / "hf-again", format_1_hf_dir)
+    # Each expert was saved whole, and is copied. The embedding was saved in two halves of its
+    # rows: copied as two ranges. The attention output was saved split by columns: read.
+    copied = reports[0]["copied"]
+    _assert_experts_copied(copied, format_1_hf_dir, all_of_them=True)
+    assert "model.embed_tokens.weight" in copied
+    assert not [name for name in copied if name.endswith("o_proj.weight")]
     keys = reports[0]["saved_keys"]
     per_expert = [key for key in keys if ".mlp.experts." in key]
     assert per_expert

@@ -1,0 +1,97 @@
+"""Locating a tensor's bytes in a torch.save record inside a larger file, and copying file
+ranges from file to file."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+
+import pytest
+import torch
+
+from megatron_rl.files import file_ranges
+from megatron_rl.files.file_ranges import FileRange, RangeCopier
+from megatron_rl.files.torch_records import stored_tensor
+
+
+def _records(path, values):
+    """`values` torch.saved one after the other into `path`, after 100 bytes of something else,
+    as torch.distributed.checkpoint writes its items; each record's (offset, length)."""
+    spans = []
+    with open(path, "wb") as handle:
+        handle.write(b"x" * 100)
+        for value in values:
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            spans.append((handle.tell(), len(buffer.getvalue())))
+            handle.write(buffer.getvalue())
+    return spans
+
+
+def _located(path, span):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return stored_tensor(fd, path, *span)
+    finally:
+        os.close(fd)
+
+
+def test_a_whole_row_major_tensor_is_found_and_anything_else_is_not(tmp_path):
+    weight = torch.randn(6, 4).to(torch.bfloat16)
+    values = [
+        weight,
+        torch.arange(5, dtype=torch.int64).reshape(5, 1),  # a dimension of size 1
+        weight[2:],  # a view: torch.save writes its whole storage
+        weight.t().contiguous().t(),  # every element, in another order
+        {"step": 3},  # an object, not a tensor
+    ]
+    path = tmp_path / "items.distcp"
+    spans = _records(path, values)
+    for value, span in zip(values[:2], spans, strict=False):
+        found = _located(path, span)
+        assert (found.dtype, found.shape) == (value.dtype, tuple(value.shape))
+        with open(path, "rb") as handle:
+            handle.seek(found.data.offset)
+            assert handle.read(found.data.length) == value.view(torch.uint8).numpy().tobytes()
+    assert [_located(path, span) for span in spans[2:]] == [None, None, None]
+    offset, length = spans[0]
+    assert _located(path, (offset + 1, length - 1)) is None  # not a record's start
+
+
+def _sources(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.write_bytes(bytes(range(256)) * 4)
+    second.write_bytes(b"0123456789")
+    return first, second
+
+
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_ranges_are_appended_in_order_with_or_without_the_kernel_copy(
+    tmp_path, monkeypatch, in_kernel
+):
+    first, second = _sources(tmp_path)
+    if not in_kernel:
+        # a test double for a file system that cannot copy_file_range between the two files
+        def unsupported(*_args):
+            raise OSError(errno.EXDEV, "cross-device")
+
+        monkeypatch.setattr(file_ranges.os, "copy_file_range", unsupported)
+    ranges = [FileRange(first, 1000, 24), FileRange(second, 2, 3), FileRange(first, 0, 5)]
+    with open(tmp_path / "out", "wb") as out:
+        out.write(b"head")
+        out.flush()
+        copier = RangeCopier()
+        copier.append(ranges, out.fileno())
+        copier.close()
+        assert copier.in_kernel is in_kernel
+    expected = b"head" + first.read_bytes()[1000:1024] + b"234" + first.read_bytes()[:5]
+    assert (tmp_path / "out").read_bytes() == expected
+
+
+def test_a_range_past_the_end_of_its_file_is_an_error_naming_it(tmp_path):
+    first, _ = _sources(tmp_path)
+    copier = RangeCopier()
+    with open(tmp_path / "out", "wb") as out, pytest.raises(EOFError, match=str(first)):
+        copier.append([FileRange(first, 1000, 100)], out.fileno())
+    copier.close()
