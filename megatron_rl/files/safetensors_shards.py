@@ -158,7 +158,8 @@ def write_safetensors_shards(
                             f"{sum(r.length for r in ranges)}, its {spec.dtype} "
                             f"{list(spec.shape)} has {spec.nbytes}"
                         )
-                    behind.put(0, partial(shard.copy, ranges))
+                    # counted as held: the kernel reads their bytes ahead (`read_ahead`)
+                    behind.put(0, partial(shard.copy, ranges), spec.nbytes)
                 else:
                     data = tensor.detach().contiguous().cpu()
                     behind.put(0, partial(shard.write, data), spec.nbytes)
