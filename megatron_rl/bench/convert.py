@@ -2,7 +2,8 @@
 
 A synthetic Qwen3-MoE-shaped Hugging Face checkpoint (random bfloat16 weights, about 2 GB by
 default) is written first. Then, in one run, each step a fresh process started with nothing left
-to flush: three copies of it (see COPIES), then `megatron-rl convert hf-to-mcore` and
+to flush and what it reads out of the page cache: three copies of it (see COPIES), then
+`megatron-rl convert hf-to-mcore` and
 `megatron-rl convert mcore-to-hf`, with the peak resident memory of each. At two sizes or more
 (`--layers 24 96`: about 2 and 8 GB) the time of each step is also fitted over the size: the
 fixed cost (start-up, megatron-core's own save) and the cost per byte. Targets: each
@@ -129,11 +130,16 @@ print(code, seconds, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 """
 
 
-def _timed(command: list[str], pythonpath: Path | None = None) -> dict[str, float]:
+def _timed(
+    command: list[str], pythonpath: Path | None = None, reads: Path | None = None
+) -> dict[str, float]:
     """Wall time and peak resident memory (of its largest process) of `command`, started after
-    everything earlier was flushed to the disk, so that a step pays only for its own writes;
-    with `pythonpath`, the megatron_rl package is imported from that checkout."""
+    everything earlier was flushed to the disk, so that a step pays only for its own writes, and
+    with the files of the directory it `reads` out of the page cache; with `pythonpath`, the
+    megatron_rl package is imported from that checkout."""
     subprocess.run(["sync"], check=True)
+    if reads is not None:
+        _drop_from_page_cache(reads)
     env = None if pythonpath is None else {**os.environ, "PYTHONPATH": str(pythonpath)}
     with tempfile.TemporaryFile() as stderr:
         done = subprocess.run(
@@ -150,6 +156,23 @@ def _timed(command: list[str], pythonpath: Path | None = None) -> dict[str, floa
             tail = stderr.read().decode(errors="replace")[-3000:]
             raise RuntimeError(f"{command[:4]} failed ({code}):\n{tail}")
     return {"seconds": float(seconds), "peak_rss_kib": int(peak_kib)}
+
+
+def _drop_from_page_cache(directory: Path) -> None:
+    """Have the kernel forget the cached pages of `directory`'s files (flushed first), so that
+    they are read from the disk, as those of a checkpoint written hours before are. Without
+    it, a step would read from memory or from the disk by what the steps before it happened to
+    read (those read twice stay; those written once go first), and steps could not be
+    compared. Nothing where the system has no `posix_fadvise`."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 # The copies the conversions are compared with. cp (coreutils 9) copies inside the kernel
@@ -189,15 +212,19 @@ def _round(
     for name, template in COPIES.items():
         target = workdir / f"copy-{name}"
         copy = template.format(src=shlex.quote(str(hf_dir)), dst=shlex.quote(str(target)))
-        steps[name] = _timed(["sh", "-c", copy])
+        steps[name] = _timed(["sh", "-c", copy], reads=hf_dir)
         shutil.rmtree(target)
     steps[STARTUP] = _timed([sys.executable, "-c", STARTUP_IMPORTS])
     cli, mcore, hf_back = _cli(), workdir / "mcore", workdir / "hf-back"
     checkouts = [("", None)] if baseline is None else [("", None), (BASELINE, baseline)]
     if first:
         checkouts.reverse()
-    conversions = {  # each direction: its command and its output
-        "hf-to-mcore": ([cli, "convert", "hf-to-mcore", "--hf", hf_dir, "--out", mcore], mcore),
+    conversions = {  # each direction: its command, what it reads, its output
+        "hf-to-mcore": (
+            [cli, "convert", "hf-to-mcore", "--hf", hf_dir, "--out", mcore],
+            hf_dir,
+            mcore,
+        ),
         "mcore-to-hf": (
             [
                 cli,
@@ -210,13 +237,16 @@ def _round(
                 "--max-shard-mib",
                 spec.max_shard_mib,
             ],
+            mcore,
             hf_back,
         ),
     }
-    for direction, (command, output) in conversions.items():
+    for direction, (command, source, output) in conversions.items():
         for label, checkout in checkouts:
             shutil.rmtree(output, ignore_errors=True)
-            steps[direction + label] = _timed([str(arg) for arg in command], pythonpath=checkout)
+            steps[direction + label] = _timed(
+                [str(arg) for arg in command], pythonpath=checkout, reads=source
+            )
     shutil.rmtree(mcore)
     shutil.rmtree(hf_back)
     return steps

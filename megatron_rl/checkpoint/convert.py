@@ -117,8 +117,8 @@ def mcore_to_hf(
     metadata = read_metadata(ckpt)
     family, config = metadata.family, metadata.config
     model = build_gpt_moe(config, dims, initialize=False)
-    unchanged = unchanged_ranges(model, family, config) if dist.get_rank() == 0 else {}
     order = bind_rules(family, config)
+    unchanged = unchanged_ranges(model, order, config) if dist.get_rank() == 0 else {}
     parts = PartByPart(model, ckpt, metadata.format_version, order, part_bytes, unchanged)
     export_hf(
         model,

@@ -31,6 +31,7 @@ from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families.base import (
     BoundRule,
     ModelFamily,
+    Transform,
     bind_rules,
     canonical_megatron_name,
 )
@@ -162,28 +163,45 @@ def expected_hf_shapes(
 
 
 def unchanged_ranges(
-    model: torch.nn.Module, family: ModelFamily, config: MoEModelConfig
+    model: torch.nn.Module, bound: dict[str, BoundRule], config: MoEModelConfig
 ) -> dict[str, list[tuple[str, int, int]]]:
     """This rank's whole (not tensor-parallel split) Megatron-Core tensors whose Hugging Face
-    tensors are all byte ranges of them, as the rules' `to_hf` makes them (a copy, the
-    contiguous halves of a fused gate/up weight; not a regrouped QKV): by global Megatron-Core
-    name, `(hf_name, start, end)` in bytes. Their values are needed only as bytes to copy."""
-    bound = bind_rules(family, config)
+    tensors are all byte ranges of them, as the rules (`bound`, `bind_rules`) `to_hf` makes
+    them (a copy, the contiguous halves of a fused gate/up weight; not a regrouped QKV): by
+    global Megatron-Core name, `(hf_name, start, end)` in bytes. Their values are needed only as
+    bytes to copy."""
     layouts = tp_layouts(model)
+    # (start, size) of each Hugging Face tensor, or None, by transform and tensor shape: the
+    # same for every layer and expert
+    found: dict[tuple[int, tuple[int, ...], torch.dtype], list[tuple[int, int]] | None] = {}
     ranges = {}
     for local_name, param in named_weights(model):
         name = global_name(model, local_name)
         if layouts[local_name].dim is not None or name not in bound:
             continue
-        full = torch.empty(param.shape, dtype=param.dtype, device="meta")
-        hf_tensors = bound[name].transform.to_hf(full, config)
-        found = [
-            (hf_name, tensor.storage_offset() * tensor.element_size(), tensor.nbytes)
-            for hf_name, tensor in zip(bound[name].hf, hf_tensors, strict=True)
-            if (tensor is full or tensor._base is full) and tensor.is_contiguous()
-        ]
-        if found and len(found) == len(hf_tensors):
-            ranges[name] = [(hf_name, start, start + size) for hf_name, start, size in found]
+        rule = bound[name]
+        key = (id(rule.transform), tuple(param.shape), param.dtype)
+        if key not in found:
+            found[key] = _byte_ranges(rule.transform, param, config)
+        if found[key] is not None:
+            ranges[name] = [
+                (hf_name, start, start + size)
+                for hf_name, (start, size) in zip(rule.hf, found[key], strict=True)
+            ]
+    return ranges
+
+
+def _byte_ranges(
+    transform: Transform, param: Tensor, config: MoEModelConfig
+) -> list[tuple[int, int]] | None:
+    """(start, size) in bytes of each tensor `transform.to_hf` makes of a tensor like `param`,
+    if each is a contiguous view of it; None if any is not."""
+    full = torch.empty(param.shape, dtype=param.dtype, device="meta")
+    ranges = []
+    for tensor in transform.to_hf(full, config):
+        if not ((tensor is full or tensor._base is full) and tensor.is_contiguous()):
+            return None
+        ranges.append((tensor.storage_offset() * tensor.element_size(), tensor.nbytes))
     return ranges
 
 
