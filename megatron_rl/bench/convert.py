@@ -390,17 +390,22 @@ def run_benchmark(
     if baseline is not None:
         report["baseline"] = {"path": str(baseline), "commit": _commit(baseline)}
     if len(sizes) > 1:
-        fit = fit_marginal_cost(sizes)
-        report["fit"] = fit
-        report["slope_vs"] = {
-            copy: {
-                k: fit[k]["slope_s_per_gib"] / fit[copy]["slope_s_per_gib"]
-                for k in _conversions(fit)
-            }
-            for copy in COPIES
-        }
+        report.update(fit_report(sizes))
     shutil.rmtree(workdir)
     return report
+
+
+def fit_report(sizes: list[dict]) -> dict[str, dict]:
+    """The report's fit of time over size (`fit_marginal_cost`) and each slope against each
+    copy's."""
+    fit = fit_marginal_cost(sizes)
+    slope_vs = {
+        copy: {
+            k: fit[k]["slope_s_per_gib"] / fit[copy]["slope_s_per_gib"] for k in _conversions(fit)
+        }
+        for copy in COPIES
+    }
+    return {"fit": fit, "slope_vs": slope_vs}
 
 
 def _commit(checkout: Path) -> str | None:

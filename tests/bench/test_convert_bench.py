@@ -1,10 +1,11 @@
-"""The conversion benchmark runs end to end on small synthetic models of two sizes, with a
-baseline checkout's conversions beside this one's, and reports its figures and their fit over the
-size (a smoke test: the figures themselves come from `megatron-rl bench convert`); the fit is the
-line through the sizes."""
+"""The conversion benchmark runs end to end on a small synthetic model, with a baseline
+checkout's conversions beside this one's, and reports its figures, and with a second size their
+fit over the size (a smoke test: the figures themselves come from `megatron-rl bench convert`);
+the fit is the line through the sizes."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -29,19 +30,12 @@ def test_bench_convert_runs_and_reports(tmp_path):
         keys_layers=2,
         keys_experts=4,
     )
-    report = convert_bench.run_benchmark(
-        spec, tmp_path / "work", rounds=1, layer_counts=(2, 1), baseline=REPO
-    )
+    report = convert_bench.run_benchmark(spec, tmp_path / "work", rounds=1, baseline=REPO)
     assert not (tmp_path / "work").exists()  # scratch space removed
-    assert [size["num_layers"] for size in report["sizes"]] == [1, 2]  # the largest on top
-    assert report["weight_bytes"] == report["sizes"][1]["weight_bytes"]
-    assert report["sizes"][0]["weight_bytes"] < report["weight_bytes"]
-    assert set(report["fit"]) == {*convert_bench.COPIES, *STEPS}
-    for step in STEPS:
-        assert report["slope_vs"]["cp+sync"][step] == (
-            report["fit"][step]["slope_s_per_gib"] / report["fit"]["cp+sync"]["slope_s_per_gib"]
-        )
-    assert report["weight_bytes"] > 0 and report["largest_shard_bytes"] == report["weight_bytes"]
+    assert [size["num_layers"] for size in report["sizes"]] == [1]
+    assert report["weight_bytes"] == report["sizes"][0]["weight_bytes"] > 0
+    assert report["largest_shard_bytes"] == report["weight_bytes"]
+    assert "fit" not in report  # one size
     for step in (*convert_bench.COPIES, convert_bench.STARTUP, *STEPS):
         assert len(report["steps"][step]["runs_seconds"]) == 1
         assert min(report["steps"][step]["runs_seconds"]) <= report["steps"][step]["seconds"]
@@ -56,12 +50,26 @@ def test_bench_convert_runs_and_reports(tmp_path):
     assert set(report["checkpoint_keys"]) == {"1", "2"}
     for times in report["checkpoint_keys"].values():
         assert times["save_seconds"] > 0 and times["load_seconds"] > 0
+    assert report["baseline"]["path"] == str(REPO)
+
+    # A second size, as if measured: every step twice as long at twice the bytes. The report
+    # with the fit of the two, as `--layers A B` writes it.
+    larger = copy.deepcopy(report["sizes"][0])
+    larger["num_layers"], larger["weight_bytes"] = 2, 2 * larger["weight_bytes"]
+    for step in larger["steps"].values():
+        step["seconds"] *= 2
+    report = {**report, **larger, "sizes": [report["sizes"][0], larger]}
+    report.update(convert_bench.fit_report(report["sizes"]))
+    assert set(report["fit"]) == {*convert_bench.COPIES, *STEPS}
+    for step in STEPS:
+        assert report["slope_vs"]["cp+sync"][step] == (
+            report["fit"][step]["slope_s_per_gib"] / report["fit"]["cp+sync"]["slope_s_per_gib"]
+        )
     json_path, md_path = convert_bench.write_report(report, tmp_path / "out")
     assert json_path.is_file() and "| hf-to-mcore |" in md_path.read_text()
     assert "| 2: a key per layer and expert |" in md_path.read_text()
     assert "| hf-to-mcore | " in md_path.read_text() and "s per GiB" in md_path.read_text()
     assert "| mcore-to-hf (baseline) | " in md_path.read_text()
-    assert report["baseline"]["path"] == str(REPO)
 
 
 def test_a_baseline_that_is_no_checkout_is_refused(tmp_path):
