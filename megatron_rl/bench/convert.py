@@ -29,6 +29,7 @@ import torch
 
 from megatron_rl.bench.report import machine, now
 from megatron_rl.bench.report import write_report as report_files
+from megatron_rl.files.readahead import drop_cached
 from megatron_rl.files.safetensors_shards import TensorSpec, write_safetensors_shards
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families import qwen3_moe
@@ -139,7 +140,10 @@ def _timed(
     megatron_rl package is imported from that checkout."""
     subprocess.run(["sync"], check=True)
     if reads is not None:
-        _drop_from_page_cache(reads)
+        # as a checkpoint written hours before: otherwise a step would read from memory or from
+        # the disk by what the steps before it happened to read (pages read twice stay, those
+        # written once go first), and steps could not be compared
+        drop_cached(path for path in reads.rglob("*") if path.is_file())
     env = None if pythonpath is None else {**os.environ, "PYTHONPATH": str(pythonpath)}
     with tempfile.TemporaryFile() as stderr:
         done = subprocess.run(
@@ -156,23 +160,6 @@ def _timed(
             tail = stderr.read().decode(errors="replace")[-3000:]
             raise RuntimeError(f"{command[:4]} failed ({code}):\n{tail}")
     return {"seconds": float(seconds), "peak_rss_kib": int(peak_kib)}
-
-
-def _drop_from_page_cache(directory: Path) -> None:
-    """Have the kernel forget the cached pages of `directory`'s files (flushed first), so that
-    they are read from the disk, as those of a checkpoint written hours before are. Without
-    it, a step would read from memory or from the disk by what the steps before it happened to
-    read (those read twice stay; those written once go first), and steps could not be
-    compared. Nothing where the system has no `posix_fadvise`."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 # The copies the conversions are compared with. cp (coreutils 9) copies inside the kernel

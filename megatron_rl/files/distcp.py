@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -78,7 +77,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from megatron_rl.files.atomic import flush_to_disk
-from megatron_rl.files.file_ranges import FileRange
+from megatron_rl.files.file_ranges import FileRange, OpenFiles
 from megatron_rl.files.readahead import read_ahead
 from megatron_rl.files.torch_records import stored_tensor
 from megatron_rl.files.write_behind import WriteBehind
@@ -405,7 +404,7 @@ class _IndexedReader(FileSystemReader):
         starts = [start for start, _ in ranges]
         pieces: dict[tuple[int, int], list[tuple[int, ReadItem, FileRange]]] = {}
         spoiled: set[tuple[int, int]] = set()  # ranges that some item must be read into
-        with _OpenFiles(Path(self.path)) as files:
+        with OpenFiles() as files:
             for item in items:
                 if item.type != LoadItemType.TENSOR:
                     continue
@@ -437,15 +436,14 @@ class _IndexedReader(FileSystemReader):
         return [item for item in items if id(item) not in left_unread]
 
     def _stored_bytes(
-        self, item: ReadItem, dest: torch.Tensor, files: _OpenFiles
+        self, item: ReadItem, dest: torch.Tensor, files: OpenFiles
     ) -> FileRange | None:
         """Where the bytes that `item` reads into `dest` are stored unchanged, if they are."""
         info = self.storage_data[item.storage_index]
         if info.transform_descriptors or any(item.storage_offsets) or not dest.is_contiguous():
             return None
-        stored = stored_tensor(
-            files.fd(info.relative_path), files.path(info.relative_path), info.offset, info.length
-        )
+        path = Path(self.path) / info.relative_path
+        stored = stored_tensor(files.fd(path), path, info.offset, info.length)
         if stored is None or stored.shape != tuple(item.lengths) or stored.dtype != dest.dtype:
             return None
         return stored.data
@@ -468,26 +466,3 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     if tensor.numel() == 0:
         last = -1
     return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
-
-
-class _OpenFiles:
-    """Files of a directory opened for reading as they are asked for, closed on leaving."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.fds: dict[str, int] = {}
-
-    def __enter__(self) -> _OpenFiles:
-        return self
-
-    def path(self, name: str) -> Path:
-        return self.directory / name
-
-    def fd(self, name: str) -> int:
-        if name not in self.fds:
-            self.fds[name] = os.open(self.directory / name, os.O_RDONLY)
-        return self.fds[name]
-
-    def __exit__(self, *_: object) -> None:
-        for fd in self.fds.values():
-            os.close(fd)

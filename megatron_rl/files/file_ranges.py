@@ -28,19 +28,41 @@ class FileRange:
     length: int
 
 
+class OpenFiles:
+    """Files opened for reading as they are asked for, each once, until `close` (or the end of a
+    `with` block)."""
+
+    def __init__(self) -> None:
+        self.fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
 class RangeCopier:
     """Appends file ranges to an open file descriptor; keeps each source open until `close`."""
 
     def __init__(self) -> None:
-        self.sources: dict[Path, int] = {}
+        self.sources = OpenFiles()
         self.in_kernel = hasattr(os, "copy_file_range")
 
     def append(self, ranges: Iterable[FileRange], out_fd: int) -> None:
         """Write the bytes of `ranges`, in order, at `out_fd`'s position (which advances)."""
         for file_range in ranges:
-            source = self.sources.get(file_range.path)
-            if source is None:
-                source = self.sources[file_range.path] = os.open(file_range.path, os.O_RDONLY)
+            source = self.sources.fd(file_range.path)
             offset, left = file_range.offset, file_range.length
             while left:
                 copied = self._copy(source, out_fd, left, offset)
@@ -66,6 +88,4 @@ class RangeCopier:
         return len(data)
 
     def close(self) -> None:
-        for source in self.sources.values():
-            os.close(source)
-        self.sources.clear()
+        self.sources.close()

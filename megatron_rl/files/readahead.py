@@ -1,7 +1,8 @@
-"""Asking the kernel to read a file's bytes before they are used.
+"""Telling the kernel which of a file's bytes will be read soon, or not again.
 
 A reader that takes tensors in an order of its own, not the file's, from a file not in the page
-cache, would otherwise wait for the disk at every few pages it touches.
+cache, would otherwise wait for the disk at every few pages it touches (`read_ahead`). A
+benchmark that compares steps reading from the disk first forgets what is cached (`drop_cached`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,23 @@ from pathlib import Path
 def read_ahead(ranges: Mapping[Path, Iterable[tuple[int, int]]]) -> None:
     """Have the kernel start reading each `(offset, length)` of each file: a hint that returns
     at once (`posix_fadvise(WILLNEED)`); nothing where the system has no such call."""
+    _advise(ranges, "POSIX_FADV_WILLNEED")
+
+
+def drop_cached(paths: Iterable[Path]) -> None:
+    """Have the kernel forget the cached pages of these files, so that they are read from the
+    disk next (`posix_fadvise(DONTNEED)`; pages not yet written are kept: flush them first);
+    nothing where the system has no such call."""
+    _advise({path: [(0, 0)] for path in paths}, "POSIX_FADV_DONTNEED")
+
+
+def _advise(ranges: Mapping[Path, Iterable[tuple[int, int]]], advice: str) -> None:
     if not hasattr(os, "posix_fadvise"):
-        return  # the bytes are read when they are touched
+        return  # the kernel's own guesses stand
     for path, spans in ranges.items():
         fd = os.open(path, os.O_RDONLY)
         try:
             for offset, length in spans:
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(fd, offset, length, getattr(os, advice))
         finally:
             os.close(fd)
