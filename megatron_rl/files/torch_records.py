@@ -2,8 +2,11 @@
 
 A `torch_dist` data file (`files/distcp.py`) is a sequence of `torch.save` zip archives, one per
 item; a tensor's bytes are stored uncompressed in one entry of its archive. `stored_tensor` finds
-them, with torch's own archive reader, and says what they are from the archive's pickle, read
-without running it: only a plain tensor that fills its storage, in row-major order, qualifies.
+them from the archive's head alone, one small read at the record's start: the entries torch
+writes before the tensor's bytes (the pickle, then a few short ones) are walked by their local
+headers, each one's end found by the sizes written after it. What the tensor is comes
+from the pickle, read without running it: only a plain tensor that fills its storage, in
+row-major order, qualifies.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import io
 import math
 import os
 import pickle
+import struct
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,22 +36,40 @@ class StoredTensor:
     data: FileRange
 
 
+# The most of a record read to find its tensor's bytes; torch writes about 700 bytes before them.
+HEAD_BYTES = 4096
+
+
 def stored_tensor(fd: int, path: Path, offset: int, length: int) -> StoredTensor | None:
     """The tensor that the `torch.save` archive at bytes `offset`..`offset + length` of `path`
     (open as `fd`) holds, if its bytes are the tensor's, whole and in row-major order; None for
-    anything else (an object, a view of a larger storage, strides of another order)."""
+    anything else (an object, a view of a larger storage, strides of another order) and for an
+    archive whose head is not as torch writes it."""
+    head = os.pread(fd, min(length, HEAD_BYTES), offset)
+    rebuilt: _Rebuilt | None = None
     try:
-        archive = torch._C.PyTorchFileReader(_FileSlice(fd, offset, length))
-        rebuilt = _TensorPickle(io.BytesIO(archive.get_record("data.pkl"))).load()
-        if not isinstance(rebuilt, _Rebuilt):
-            return None
-        record = f"data/{rebuilt.storage_key}"
-        data_offset = archive.get_record_offset(record)
-    except (RuntimeError, pickle.UnpicklingError, ValueError, TypeError, EOFError):
+        for name, start, end in _entries(head):
+            if rebuilt is None:
+                if not name.endswith("data.pkl"):
+                    continue
+                if end is None:
+                    return None
+                rebuilt = _TensorPickle(io.BytesIO(head[start:end])).load()
+                if not isinstance(rebuilt, _Rebuilt):
+                    return None
+                record = name.removesuffix("data.pkl") + f"data/{rebuilt.storage_key}"
+            elif name == record:
+                return _whole_tensor(rebuilt, FileRange(path, offset + start, length - start))
+    except (pickle.UnpicklingError, ValueError, TypeError, EOFError, UnicodeDecodeError):
         return None
+    return None
+
+
+def _whole_tensor(rebuilt: _Rebuilt, data: FileRange) -> StoredTensor | None:
+    """`rebuilt` whose bytes begin where `data` does, if it is whole and in row-major order."""
     shape, numel = rebuilt.size, math.prod(rebuilt.size)
     nbytes = numel * rebuilt.dtype.itemsize
-    if len(rebuilt.stride) != len(shape):
+    if len(rebuilt.stride) != len(shape) or nbytes > data.length:
         return None
     row_major = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
     # a dimension of size 1 is in order whatever its stride
@@ -54,9 +77,54 @@ def stored_tensor(fd: int, path: Path, offset: int, length: int) -> StoredTensor
     in_order = all(stride == expected for stride, expected, n in strides if n > 1)
     if not in_order or rebuilt.storage_offset != 0 or rebuilt.storage_numel != numel:
         return None
-    if data_offset + nbytes > length:
-        return None
-    return StoredTensor(rebuilt.dtype, shape, FileRange(path, offset + data_offset, nbytes))
+    return StoredTensor(rebuilt.dtype, shape, FileRange(data.path, data.offset, nbytes))
+
+
+# A zip entry's local header: signature, version, flags, method, time, date, CRC-32,
+# compressed and uncompressed size, name length, extra field length.
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_SIGNATURE = 0x04034B50
+_SIZES_AFTER = 0x8  # flag: the CRC and sizes follow the data (a data descriptor)
+_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+_DESCRIPTOR = struct.Struct("<4sIII")  # signature, CRC-32, compressed and uncompressed size
+_DESCRIPTOR_64 = struct.Struct("<4sIQQ")
+
+
+def _entries(head: bytes) -> Iterator[tuple[str, int, int | None]]:
+    """The entries at the start of the zip archive that `head` begins, as `torch.save` writes
+    them (stored uncompressed, each followed by its sizes): each name, and where its data starts
+    and ends in `head`. The last one's end is None when `head` ends before it (as the tensor's
+    bytes go on past the head). Stops at anything else."""
+    position = 0
+    while position + _LOCAL_HEADER.size <= len(head):
+        signature, _, flags, method, *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(
+            head, position
+        )
+        if signature != _LOCAL_SIGNATURE or method != 0 or not flags & _SIZES_AFTER:
+            return
+        name_start = position + _LOCAL_HEADER.size
+        start = name_start + name_length + extra_length
+        name = head[name_start : name_start + name_length].decode()
+        found = _descriptor(head, start)
+        yield name, start, None if found is None else found[0]
+        if found is None:
+            return
+        position = found[1]
+
+
+def _descriptor(head: bytes, start: int) -> tuple[int, int] | None:
+    """The end of the data starting at `start` and of the data descriptor after it: the first
+    descriptor whose sizes are those of the bytes between; None if `head` has none."""
+    end = head.find(_DESCRIPTOR_SIGNATURE, start)
+    while end >= 0:
+        for layout in (_DESCRIPTOR, _DESCRIPTOR_64):
+            if end + layout.size > len(head):
+                continue
+            _, _, compressed, size = layout.unpack_from(head, end)
+            if compressed == size == end - start:
+                return end, end + layout.size
+        end = head.find(_DESCRIPTOR_SIGNATURE, end + 1)
+    return None
 
 
 # The storage classes by which torch.save's pickle names a tensor's dtype.
@@ -111,31 +179,3 @@ class _TensorPickle(pickle.Unpickler):
         if kind != "storage" or not isinstance(dtype, torch.dtype):
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
         return dtype, str(key), int(numel)
-
-
-class _FileSlice(io.RawIOBase):
-    """Bytes `offset`..`offset + length` of the open file `fd`, as a file of their own."""
-
-    def __init__(self, fd: int, offset: int, length: int) -> None:
-        self.fd, self.offset, self.length, self.position = fd, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, position: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.position, os.SEEK_END: self.length}[whence]
-        self.position = base + position
-        return self.position
-
-    def readinto(self, buffer: Any) -> int:
-        count = max(0, min(len(buffer), self.length - self.position))
-        data = os.pread(self.fd, count, self.offset + self.position)
-        buffer[: len(data)] = data
-        self.position += len(data)
-        return len(data)
