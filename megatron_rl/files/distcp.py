@@ -385,16 +385,16 @@ class _IndexedReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # Every item's bytes asked of the kernel at once before they are read one at a time:
-        # the disk reads them in its own order, not one item's after the other's. Those located
-        # instead are read soon after, by the copy.
+        # the disk reads them in its own order, not one item's after the other's. Not those
+        # located instead: the copy reads them, past the page cache (`RangeCopier`).
+        items = self._locate(plan.items, planner) if self.instead else plan.items
         by_file: dict[Path, list[tuple[int, int]]] = {}
-        for item in plan.items:
+        for item in items:
             info = self.storage_data[item.storage_index]
             by_file.setdefault(Path(self.path) / info.relative_path, []).append(
                 (info.offset, info.length)
             )
         read_ahead(by_file)
-        items = self._locate(plan.items, planner) if self.instead else plan.items
         return super().read_data(replace(plan, items=items), planner)
 
     def _locate(self, items: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:

@@ -1,22 +1,24 @@
-"""Byte ranges of files, and copying them from file to file inside the kernel.
+"""Byte ranges of files, and copying them from file to file.
 
-A conversion whose output holds a tensor's bytes unchanged from its input need not read them into
-its own memory and write them out again: `copy_file_range` copies them between the page caches
-of the two files (or shares the blocks, on a file system with reflinks), as `cp` does.
+A conversion whose output holds a tensor's bytes unchanged from its input need not make the
+tensor: it copies the bytes (`RangeCopier`). It reads them once, so it reads them past the page
+cache where the file system allows (`O_DIRECT`): filling the page cache costs the kernel a page
+to allocate, and later to evict, for every 4 KiB read, which on the development machine took
+more CPU time than the rest of the conversion (docs/conversion.md).
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-# What copy_file_range raises where the two files' file systems cannot copy between them (an
-# older kernel, a network or FUSE file system): the bytes are then copied through this process.
-_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
-_CHUNK = 16 * 2**20  # of a copy through this process
+# O_DIRECT's unit: offsets, lengths and memory aligned to it suit every logical block size in use.
+_ALIGN = 4096
+_BUFFER = 8 * 2**20  # a copy's reads, at most
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,10 @@ class OpenFiles:
     def __init__(self) -> None:
         self.fds: dict[Path, int] = {}
 
-    def fd(self, path: Path) -> int:
+    def fd(self, path: Path, flags: int = 0) -> int:
+        """`path` opened read-only, with `flags` (the first time it is asked for)."""
         if path not in self.fds:
-            self.fds[path] = os.open(path, os.O_RDONLY)
+            self.fds[path] = os.open(path, os.O_RDONLY | flags)
         return self.fds[path]
 
     def close(self) -> None:
@@ -53,39 +56,49 @@ class OpenFiles:
 
 
 class RangeCopier:
-    """Appends file ranges to an open file descriptor; keeps each source open until `close`."""
+    """Appends file ranges to an open file descriptor, reading each source past the page cache
+    where its file system allows (`O_DIRECT`), through it elsewhere (tmpfs, some network file
+    systems); keeps each source open until `close`."""
 
     def __init__(self) -> None:
-        self.sources = OpenFiles()
-        self.in_kernel = hasattr(os, "copy_file_range")
+        self.direct = OpenFiles()  # the sources read past the page cache
+        self.cached = OpenFiles()  # those whose file systems refuse it
+        self.map = mmap.mmap(-1, _BUFFER)  # aligned to a page, as O_DIRECT needs
+        self.buffer = memoryview(self.map)
 
     def append(self, ranges: Iterable[FileRange], out_fd: int) -> None:
         """Write the bytes of `ranges`, in order, at `out_fd`'s position (which advances)."""
         for file_range in ranges:
-            source = self.sources.fd(file_range.path)
-            offset, left = file_range.offset, file_range.length
-            while left:
-                copied = self._copy(source, out_fd, left, offset)
-                if copied == 0:
+            offset, end = file_range.offset, file_range.offset + file_range.length
+            while offset < end:
+                data = self._read(file_range.path, offset, end - offset)
+                if not data:
                     raise EOFError(
-                        f"{file_range.path}: ends before byte {offset + left} (its range "
+                        f"{file_range.path}: ends before byte {end} (its range "
                         f"{file_range.offset}+{file_range.length} was to be copied)"
                     )
-                offset, left = offset + copied, left - copied
+                offset += len(data)
+                while data:
+                    data = data[os.write(out_fd, data) :]
 
-    def _copy(self, source: int, out_fd: int, count: int, offset: int) -> int:
-        if self.in_kernel:
+    def _read(self, path: Path, offset: int, count: int) -> memoryview:
+        """Up to `count` bytes of `path` from `offset`: fewer at its end, none past it."""
+        if path not in self.cached.fds:
             try:
-                return os.copy_file_range(source, out_fd, count, offset)
+                return self._read_direct(self.direct.fd(path, os.O_DIRECT), offset, count)
             except OSError as error:
-                if error.errno not in _NO_KERNEL_COPY:
+                if error.errno != errno.EINVAL:  # EINVAL: no O_DIRECT on this file system
                     raise
-                self.in_kernel = False
-        data = os.pread(source, min(count, _CHUNK), offset)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(out_fd, view) :]
-        return len(data)
+        return memoryview(os.pread(self.cached.fd(path), min(count, _BUFFER), offset))
+
+    def _read_direct(self, fd: int, offset: int, count: int) -> memoryview:
+        start = offset - offset % _ALIGN  # the aligned blocks that hold the bytes
+        stop = min(start + _BUFFER, -(-(offset + count) // _ALIGN) * _ALIGN)
+        read = os.preadv(fd, [self.buffer[: stop - start]], start)
+        return self.buffer[offset - start : max(offset - start, min(read, offset - start + count))]
 
     def close(self) -> None:
-        self.sources.close()
+        self.direct.close()
+        self.cached.close()
+        self.buffer.release()
+        self.map.close()

@@ -129,7 +129,7 @@ def write_safetensors_shards(
     while the next ones are made: nothing is accumulated.
 
     A tensor whose name `stored` has when it arrives is not read: its bytes are copied from
-    those file ranges, file to file (`RangeCopier`)."""
+    those file ranges (`RangeCopier`)."""
     if stored is None:
         stored = {}
     shards = plan_shards(specs, max_shard_bytes)
@@ -158,7 +158,8 @@ def write_safetensors_shards(
                             f"{sum(r.length for r in ranges)}, its {spec.dtype} "
                             f"{list(spec.shape)} has {spec.nbytes}"
                         )
-                    # counted as held: the kernel reads their bytes ahead (`read_ahead`)
+                    # counted as held, as a write is: the making runs no further ahead of
+                    # the copying, whose reads it would otherwise compete with for the disk
                     behind.put(0, partial(shard.copy, ranges), spec.nbytes)
                 else:
                     data = tensor.detach().contiguous().cpu()

@@ -61,31 +61,44 @@ def test_a_whole_row_major_tensor_is_found_and_anything_else_is_not(tmp_path):
 
 def _sources(tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
-    first.write_bytes(bytes(range(256)) * 4)
-    second.write_bytes(b"0123456789")
+    first.write_bytes(bytes(range(251)) * 2**14)  # 4 MB, a prime period: every offset differs
+    second.write_bytes(bytes(range(7, 256)) * 40)
     return first, second
 
 
-@pytest.mark.parametrize("in_kernel", [True, False])
-def test_ranges_are_appended_in_order_with_or_without_the_kernel_copy(
-    tmp_path, monkeypatch, in_kernel
+@pytest.mark.parametrize("direct", [True, False])
+def test_ranges_are_appended_in_order_past_the_page_cache_or_through_it(
+    tmp_path, monkeypatch, direct
 ):
     first, second = _sources(tmp_path)
-    if not in_kernel:
-        # a test double for a file system that cannot copy_file_range between the two files
-        def unsupported(*_args):
-            raise OSError(errno.EXDEV, "cross-device")
+    if not direct:
+        opened = os.open
 
-        monkeypatch.setattr(file_ranges.os, "copy_file_range", unsupported)
-    ranges = [FileRange(first, 1000, 24), FileRange(second, 2, 3), FileRange(first, 0, 5)]
+        # a test double for a file system without O_DIRECT (tmpfs), which refuses the flag
+        def refusing_direct(path, flags, *args):
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return opened(path, flags, *args)
+
+        monkeypatch.setattr(file_ranges.os, "open", refusing_direct)
+    # unaligned offsets and lengths, a range longer than the copier's buffer (1 MiB here), a
+    # source again
+    monkeypatch.setattr(file_ranges, "_BUFFER", 2**20)
+    ranges = [
+        FileRange(first, 1000, 24),
+        FileRange(second, 2, 3),
+        FileRange(first, 5, 3 * 2**20 + 7),
+        FileRange(second, 4096, 4096),
+    ]
     with open(tmp_path / "out", "wb") as out:
         out.write(b"head")
         out.flush()
         copier = RangeCopier()
         copier.append(ranges, out.fileno())
+        assert sorted(copier.direct.fds if direct else copier.cached.fds) == [first, second]
         copier.close()
-        assert copier.in_kernel is in_kernel
-    expected = b"head" + first.read_bytes()[1000:1024] + b"234" + first.read_bytes()[:5]
+    source = {first: first.read_bytes(), second: second.read_bytes()}
+    expected = b"head" + b"".join(source[r.path][r.offset : r.offset + r.length] for r in ranges)
     assert (tmp_path / "out").read_bytes() == expected
 
 
@@ -93,5 +106,5 @@ def test_a_range_past_the_end_of_its_file_is_an_error_naming_it(tmp_path):
     first, _ = _sources(tmp_path)
     copier = RangeCopier()
     with open(tmp_path / "out", "wb") as out, pytest.raises(EOFError, match=str(first)):
-        copier.append([FileRange(first, 1000, 100)], out.fileno())
+        copier.append([FileRange(first, first.stat().st_size - 50, 100)], out.fileno())
     copier.close()
