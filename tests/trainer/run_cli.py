@@ -62,6 +62,31 @@ def train_command(
     ]
 
 
+def train_cli_each(runs: list[tuple[Path, list[str]]]) -> list[subprocess.CompletedProcess]:
+    """`megatron-rl train` on one process for each `(run_dir, overrides)`, one after the other in
+    one interpreter (`tests.trainer.each_command`): for runs that fail before training, whose
+    time would be the imports'."""
+    commands = [train_command(run_dir, overrides, 1, False)[3:] for run_dir, overrides in runs]
+    with tempfile.TemporaryDirectory() as scratch, tempfile.TemporaryFile("w+") as output:
+        results = Path(scratch) / "results.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.trainer.each_command", str(results)]
+            + [json.dumps(command) for command in commands],
+            cwd=REPO,
+            env=train_environment(),
+            stdout=output,
+            stderr=output,
+            text=True,
+            timeout=300,
+        )
+        output.seek(0)
+        assert done.returncode == 0, output.read()[-3000:]
+        return [
+            subprocess.CompletedProcess(command, result["returncode"], "", result["stderr"])
+            for command, result in zip(commands, json.loads(results.read_text()), strict=True)
+        ]
+
+
 def train_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     # Warnings stay on: the CLI keeps the known ones off the console (megatron_rl/cli).
     env = dict(os.environ, OMP_NUM_THREADS="1") | (extra or {})

@@ -23,6 +23,7 @@ from tests.trainer.run_cli import (
     finished_run_metrics,
     read_metrics,
     train_cli,
+    train_cli_each,
 )
 
 TIMING = ("time/", "throughput/")
@@ -223,42 +224,36 @@ def _check_resumes_only_as_saved(path: Path) -> None:
 def test_bad_recipes_fail_before_training(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    result = train_cli(
-        tmp_path / "run",
-        [
-            "data.source=jsonl",
-            f"data.train_path={empty}",
-            f"data.eval_path={empty}",
-            "data.verifier=math",
-        ],
-    )
-    assert result.returncode == 2 and f"{empty}: no records" in result.stderr
-    result = train_cli(tmp_path / "run", ["rollout.group_size=1"])
-    assert result.returncode == 2 and "rollout.group_size: expected >= 2" in result.stderr
-    result = train_cli(tmp_path / "run", ["algo.los=grpo"])
-    assert result.returncode == 2 and "did you mean 'loss'" in result.stderr
-    # an error names the recipe key the path came from
-    result = train_cli(tmp_path / "run", [f"model.hf_path={tmp_path / 'missing'}"])
-    assert result.returncode == 2
-    assert f"model.hf_path {tmp_path / 'missing'}: not a directory" in result.stderr
-    result = train_cli(empty, [])  # run.dir is a file
-    assert result.returncode == 2
-    assert f"run.dir {empty}: exists and is not a directory" in result.stderr
-    result = train_cli(empty / "run", [])
-    assert result.returncode == 2
-    assert f"run.dir {empty / 'run'}: a parent of it is not a directory" in result.stderr
-    # a prompt the tokenizer cannot encode (the tiny vocabulary has no unknown token) is named
-    # with its file and line before the run starts
+    # a prompt the tokenizer cannot encode (the tiny vocabulary has no unknown token)
     prompts = tmp_path / "prompts.jsonl"
     lines = ['{"prompt": "1+1\\n", "answer": 2}', '{"prompt": "caf\u00e9\\n", "answer": 1}']
     prompts.write_text("\n".join(lines) + "\n")
-    result = train_cli(
-        tmp_path / "run",
-        ["data.source=jsonl", f"data.train_path={prompts}", f"data.eval_path={prompts}"],
-    )
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert f"{prompts}:2: prompt 'café\\n': the tokenizer cannot encode it" in result.stderr
-    assert "Traceback" not in result.stderr
+    run = tmp_path / "run"
+    empty_data = ["data.source=jsonl", f"data.train_path={empty}", f"data.eval_path={empty}"]
+    cases = {  # each run's overrides, and what its error says
+        (run, (*empty_data, "data.verifier=math")): f"{empty}: no records",
+        (run, ("rollout.group_size=1",)): "rollout.group_size: expected >= 2",
+        (run, ("algo.los=grpo",)): "did you mean 'loss'",
+        # an error names the recipe key the path came from
+        (run, (f"model.hf_path={tmp_path / 'missing'}",)): (
+            f"model.hf_path {tmp_path / 'missing'}: not a directory"
+        ),
+        (empty, ()): f"run.dir {empty}: exists and is not a directory",
+        (empty / "run", ()): f"run.dir {empty / 'run'}: a parent of it is not a directory",
+        # named with its file and line before the run starts
+        (run, ("data.source=jsonl", f"data.train_path={prompts}", f"data.eval_path={prompts}")): (
+            f"{prompts}:2: prompt 'café\\n': the tokenizer cannot encode it"
+        ),
+    }
+    # the first in a process of its own, as users run it; the others in one process, which
+    # pays the imports once
+    first, *others = cases
+    results = [train_cli(first[0], list(first[1]))]
+    results += train_cli_each([(run_dir, list(overrides)) for run_dir, overrides in others])
+    for result, error in zip(results, cases.values(), strict=True):
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert error in result.stderr
+        assert "Traceback" not in result.stderr
 
 
 def test_non_finite_steps_are_skipped_then_the_run_aborts(tmp_path):
