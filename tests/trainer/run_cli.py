@@ -66,6 +66,7 @@ def train_cli_each(runs: list[tuple[Path, list[str]]]) -> list[subprocess.Comple
     """`megatron-rl train` on one process for each `(run_dir, overrides)`, one after the other in
     one interpreter (`tests.trainer.each_command`): for runs that fail before training, whose
     time would be the imports'."""
+    # each command's arguments, less `python -m megatron_rl.cli`
     commands = [train_command(run_dir, overrides, 1, False)[3:] for run_dir, overrides in runs]
     with tempfile.TemporaryDirectory() as scratch, tempfile.TemporaryFile("w+") as output:
         results = Path(scratch) / "results.json"
