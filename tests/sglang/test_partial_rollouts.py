@@ -32,6 +32,15 @@ def test_a_generation_paused_for_a_weight_update_marks_each_tokens_version(
         references[version].update_weights(buckets, version)
     try:
         engine.update_weights(weights[0], 0)
+        posted = threading.Event()  # the generation's request is on its way to the server
+        post = engine._post
+
+        def post_and_tell(server, path, body):
+            if path == "/generate":
+                posted.set()
+            return post(server, path, body)
+
+        engine._post = post_and_tell
         answers = {}
         generation = threading.Thread(
             target=lambda: answers.update(
@@ -39,7 +48,10 @@ def test_a_generation_paused_for_a_weight_update_marks_each_tokens_version(
             )
         )
         generation.start()
-        time.sleep(0.1)  # into the generation (48 samples of up to 100 tokens take longer)
+        # into the generation (48 samples of up to 100 tokens take longer): counted from the
+        # request, not the thread's start, which a loaded machine may delay past a fixed sleep
+        assert posted.wait(timeout=60)
+        time.sleep(0.1)
         with engine.paused():
             engine.update_weights(weights[1], 1)
         generation.join()
