@@ -22,6 +22,7 @@ from megatron_rl.algo.kl import check_kl_estimator, kl_to_reference
 from megatron_rl.algo.mismatch import MismatchCorrection, mismatch_metrics, mismatch_weights
 from megatron_rl.algo.ratios import (
     EXTREME_RATIO_TAUS,
+    ClippedObjective,
     dual_clip_bound,
     extreme_token_frac,
     ppo_clip,
@@ -30,6 +31,7 @@ from megatron_rl.algo.ratios import (
     segments_to_tokens,
     sequence_mean,
     token_log_ratio,
+    token_share,
     whole_sequences,
 )
 
@@ -83,26 +85,53 @@ def grpo_objective(
     )
 
 
+def _on_mask(clipped: ClippedObjective, mask: Tensor) -> ClippedObjective:
+    """`clipped` with its objective 0 and its flags False off the mask."""
+    return ClippedObjective(
+        torch.where(mask, clipped.objective, torch.zeros_like(clipped.objective)),
+        clipped.clipped_low & mask,
+        clipped.clipped_high & mask,
+        clipped.clipped_dual & mask,
+    )
+
+
+def _sequence_ratio_objective(
+    batch: PolicyLossBatch,
+    advantages: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[ClippedObjective, Tensor]:
+    """GSPO's clipped objective on every token `[B, T]`, its ratio s_it = sg[s_i] *
+    exp(logp_t - sg[logp_t]) (`token_share`), `advantages` `[B, 1]` or `[B, T]`; and the
+    sequence ratios s_i `[B]`."""
+    mask = batch.mask
+    log_ratio = token_log_ratio(batch.logp, batch.old_logp, mask)
+    log_seq_ratio = sequence_mean(log_ratio.detach(), mask, batch.shard_sum)
+    ratio = ratio_from_log(token_share(_spread(log_seq_ratio, mask), log_ratio))
+    clipped = ppo_clip(ratio, advantages, 1 - clip_low, 1 + clip_high, dual_clip)
+    return _on_mask(clipped, mask), ratio_from_log(log_seq_ratio)
+
+
 def gspo_objective(
     batch: PolicyLossBatch, clip_low: float, clip_high: float, *, dual_clip: float | None
 ) -> TokenObjective:
     """GSPO (arXiv 2507.18071, Eq. 5 with s_i from Eq. 7): s_i = exp(sum_t d_t / |y_i|),
     obj_i = min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i); whole sequences clip (and,
-    with dual_clip, bound at dual_clip * A_i for A_i < 0)."""
-    mask = batch.mask
-    seq_ratio = ratio_from_log(
-        sequence_mean(token_log_ratio(batch.logp, batch.old_logp, mask), mask, batch.shard_sum)
-    )
-    clipped = ppo_clip(
-        seq_ratio, batch.sequence_advantages("gspo"), 1 - clip_low, 1 + clip_high, dual_clip
+    with dual_clip, bound at dual_clip * A_i for A_i < 0). Each token carries obj_i with the
+    gradient of its own log-prob only (`token_share`): the gradient of obj_i spread over the
+    row, and a per-token weight acts on its own token alone."""
+    advantages = batch.sequence_advantages("gspo")[:, None]
+    clipped, seq_ratio = _sequence_ratio_objective(
+        batch, advantages, clip_low, clip_high, dual_clip
     )
     return TokenObjective(
-        objective=_spread(clipped.objective, mask),
-        clipped_low=_spread(clipped.clipped_low, mask),
-        clipped_high=_spread(clipped.clipped_high, mask),
-        unit_ratios=UnitRatios(seq_ratio, mask.any(dim=1)),
+        objective=clipped.objective,
+        clipped_low=clipped.clipped_low,
+        clipped_high=clipped.clipped_high,
+        unit_ratios=UnitRatios(seq_ratio, batch.mask.any(dim=1)),
         extra_metrics={},
-        clipped_dual=_spread(clipped.clipped_dual, mask),
+        clipped_dual=clipped.clipped_dual,
     )
 
 
@@ -113,18 +142,16 @@ def gspo_token_objective(
     exp(logp_t - sg[logp_t]), per-token clip with per-token advantages. Its value is s_i and its
     gradient in logp_t is s_i, so with per-sequence advantages it equals GSPO exactly."""
     mask = batch.mask
-    log_seq_ratio = sequence_mean(
-        token_log_ratio(batch.logp, batch.old_logp, mask), mask, batch.shard_sum
+    clipped, seq_ratio = _sequence_ratio_objective(
+        batch, batch.token_advantages(), clip_low, clip_high, dual_clip
     )
-    ratio = ratio_from_log(log_seq_ratio.detach())[:, None] * _detached_unit_exp(batch.logp, mask)
-    clipped = ppo_clip(ratio, batch.token_advantages(), 1 - clip_low, 1 + clip_high, dual_clip)
     return TokenObjective(
-        objective=torch.where(mask, clipped.objective, torch.zeros_like(ratio)),
-        clipped_low=clipped.clipped_low & mask,
-        clipped_high=clipped.clipped_high & mask,
-        unit_ratios=UnitRatios(ratio, mask),
+        objective=clipped.objective,
+        clipped_low=clipped.clipped_low,
+        clipped_high=clipped.clipped_high,
+        unit_ratios=UnitRatios(seq_ratio[:, None].expand(mask.shape), mask),
         extra_metrics={},
-        clipped_dual=clipped.clipped_dual & mask,
+        clipped_dual=clipped.clipped_dual,
     )
 
 
@@ -141,12 +168,12 @@ def sspo_objective(
     clipped to [lower_ij, upper_ij] with H_ij the mean old-policy entropy of the segment:
     upper_ij = 1 + clip_high + beta * H_ij (the paper's 1 + eps + H with beta = 1);
     lower_ij = max(1 - clip_low - beta * H_ij, 1e-3) ("entropy") or 1 - clip_low ("fixed").
-    Every token carries its segment's objective, so seq-mean-token-mean gives
-    -mean_i(sum_j |y_ij| obj_ij / |y_i|)."""
+    Every token carries its segment's objective, with the gradient of its own log-prob only
+    (`token_share`), so seq-mean-token-mean gives -mean_i(sum_j |y_ij| obj_ij / |y_i|)."""
     mask, segment_ids = batch.mask, batch.segment_ids
     assert segment_ids is not None  # checked by compute_policy_loss
     log_ratio = token_log_ratio(batch.logp, batch.old_logp, mask)
-    segments = segment_mean(log_ratio, segment_ids, mask, batch.shard_sum)
+    segments = segment_mean(log_ratio.detach(), segment_ids, mask, batch.shard_sum)
     seg_ratio = ratio_from_log(segments.means)  # [B, S]
     if sspo_entropy_coef != 0.0:
         assert batch.old_entropy is not None  # checked by compute_policy_loss
@@ -159,20 +186,29 @@ def sspo_objective(
         lower = (1 - clip_low - spread).clamp(min=1e-3)
     else:
         lower = torch.full_like(seg_ratio, 1 - clip_low)
-    seg_advantages = batch.sequence_advantages("sspo")[:, None].expand_as(seg_ratio)
-    clipped = ppo_clip(seg_ratio, seg_advantages, lower, upper, dual_clip)
+
+    def on_tokens(per_segment: Tensor) -> Tensor:
+        return segments_to_tokens(per_segment, segment_ids, mask)
+
+    ratio = ratio_from_log(token_share(on_tokens(segments.means), log_ratio))
+    advantages = batch.sequence_advantages("sspo")[:, None]
+    clipped = _on_mask(
+        ppo_clip(ratio, advantages, on_tokens(lower), on_tokens(upper), dual_clip), mask
+    )
+    # The same decisions per segment, for the segment-level clip fraction.
+    seg_clipped = ppo_clip(seg_ratio, advantages.expand_as(seg_ratio), lower, upper, dual_clip)
     valid_segments = segments.counts > 0
-    clipped_segments = (clipped.clipped_low | clipped.clipped_high) & valid_segments
+    clipped_segments = (seg_clipped.clipped_low | seg_clipped.clipped_high) & valid_segments
     return TokenObjective(
-        objective=segments_to_tokens(clipped.objective, segment_ids, mask),
-        clipped_low=segments_to_tokens(clipped.clipped_low, segment_ids, mask),
-        clipped_high=segments_to_tokens(clipped.clipped_high, segment_ids, mask),
+        objective=clipped.objective,
+        clipped_low=clipped.clipped_low,
+        clipped_high=clipped.clipped_high,
         unit_ratios=UnitRatios(seg_ratio, valid_segments),
         extra_metrics={
             "clip_frac/segment": clipped_segments.sum() / valid_segments.sum(),
             "segments/per_seq": valid_segments.sum() / mask.any(dim=1).sum(),
         },
-        clipped_dual=segments_to_tokens(clipped.clipped_dual, segment_ids, mask),
+        clipped_dual=clipped.clipped_dual,
     )
 
 
@@ -183,7 +219,9 @@ def gmpo_objective(
     terms, J_i = A_i * exp(mean_t l_t), with the token log-ratio clipped one-sidedly in log space:
     l_t = min(d_t, clip_high) when A_i > 0 and max(d_t, -clip_low) when A_i < 0, i.e. the ratio is
     clipped to [e^-clip_low, e^clip_high] (paper: clip_low = clip_high = 0.4). For A_i < 0 the
-    mean is unbounded above; dual_clip bounds J_i at dual_clip * A_i there."""
+    mean is unbounded above; dual_clip bounds J_i at dual_clip * A_i there. Each token carries
+    J_i with the gradient of its own l_t only (`token_share`), the gradient of J_i spread over
+    the row."""
     mask = batch.mask
     log_ratio = token_log_ratio(batch.logp, batch.old_logp, mask)
     advantages = batch.sequence_advantages("gmpo")
@@ -195,19 +233,19 @@ def gmpo_objective(
         torch.full_like(log_ratio, clip_high),
         torch.where(clipped_low, torch.full_like(log_ratio, -clip_low), log_ratio),
     )
-    geometric_ratio = ratio_from_log(sequence_mean(clipped_log_ratio, mask, batch.shard_sum))
-    objective, bound = dual_clip_bound(
-        advantages * geometric_ratio, geometric_ratio, advantages, dual_clip
-    )
+    log_geometric = sequence_mean(clipped_log_ratio.detach(), mask, batch.shard_sum)
+    ratio = ratio_from_log(token_share(_spread(log_geometric, mask), clipped_log_ratio))
+    objective, bound = dual_clip_bound(token_adv * ratio, ratio, token_adv, dual_clip)
     return TokenObjective(
-        objective=_spread(objective, mask),
+        objective=torch.where(mask, objective, torch.zeros_like(objective)),
         clipped_low=clipped_low,
         clipped_high=clipped_high,
         unit_ratios=UnitRatios(
-            ratio_from_log(sequence_mean(log_ratio, mask, batch.shard_sum)), mask.any(dim=1)
+            ratio_from_log(sequence_mean(log_ratio.detach(), mask, batch.shard_sum)),
+            mask.any(dim=1),
         ),
         extra_metrics={},
-        clipped_dual=_spread(bound, mask),
+        clipped_dual=bound & mask,
     )
 
 
@@ -278,9 +316,11 @@ class PolicyLoss:
     check_options: Callable[[dict[str, Any], Tensor | None], dict[str, Any]] | None = None
 
 
-# PPO dual-clip's c for the token-level baseline (verl's default clip_ratio_c); the sequence- and
-# segment-level losses clip whole units at ~1e-4 and are off by default.
-GRPO_DUAL_CLIP = 3.0
+# PPO dual-clip's c, the default of every loss that takes the option (verl's clip_ratio_c): a
+# unit with a negative advantage whose ratio grew past c contributes c * A and no gradient.
+# Sequence- and segment-level ratios clip at ~1e-4 and rarely get there, but one that does
+# (a sequence log-ratio of 20 has s = e^20) would otherwise get a gradient of that order.
+DEFAULT_DUAL_CLIP = 3.0
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     "grpo": PolicyLoss(
@@ -288,30 +328,42 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
         "token",
         "arXiv 2402.03300",
         (0.2, 0.27),
-        options={"dual_clip": GRPO_DUAL_CLIP},
+        options={"dual_clip": DEFAULT_DUAL_CLIP},
     ),
     "gspo": PolicyLoss(
-        gspo_objective, "sequence", "arXiv 2507.18071", (3e-4, 4e-4), options={"dual_clip": None}
+        gspo_objective,
+        "sequence",
+        "arXiv 2507.18071",
+        (3e-4, 4e-4),
+        options={"dual_clip": DEFAULT_DUAL_CLIP},
     ),
     "gspo_token": PolicyLoss(
         gspo_token_objective,
         "token",
         "arXiv 2507.18071",
         (3e-4, 4e-4),
-        options={"dual_clip": None},
+        options={"dual_clip": DEFAULT_DUAL_CLIP},
     ),
     "sspo": PolicyLoss(
         sspo_objective,
         "segment",
         "arXiv 2511.04256",
         (0.2, 0.2),
-        options={"sspo_entropy_coef": 1.0, "sspo_lower": "entropy", "dual_clip": None},
+        options={
+            "sspo_entropy_coef": 1.0,
+            "sspo_lower": "entropy",
+            "dual_clip": DEFAULT_DUAL_CLIP,
+        },
         needs_segments=True,
         needs_old_entropy=True,
         check_options=_check_sspo_options,
     ),
     "gmpo": PolicyLoss(
-        gmpo_objective, "sequence", "arXiv 2507.20673", (0.4, 0.4), options={"dual_clip": None}
+        gmpo_objective,
+        "sequence",
+        "arXiv 2507.20673",
+        (0.4, 0.4),
+        options={"dual_clip": DEFAULT_DUAL_CLIP},
     ),
     "cispo": PolicyLoss(cispo_objective, "token", "arXiv 2506.13585", (1.0, 0.28)),
 }

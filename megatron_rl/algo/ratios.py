@@ -41,6 +41,21 @@ def ratio_from_log(log_ratio: Tensor) -> Tensor:
     return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
+def token_share(unit_log_ratio: Tensor, log_ratio: Tensor) -> Tensor:
+    """sg[L_u] + d_t - sg[d_t], `[B, T]`: each token's value is its unit's log-ratio L_u
+    (`unit_log_ratio`: a sequence's or segment's, already on its tokens) and its gradient is its
+    own token's d_t alone (`log_ratio`): GSPO-token's form (arXiv 2507.18071, Eq. 14) in log
+    space.
+
+    Summed over a unit's n_u tokens with one weight w, the gradient in logp_t is w * f'(L_u) for
+    any objective f of the unit's ratio, exactly what the unit's objective spread over its tokens
+    gives: d(n_u * w * f(L_u)) / d logp_t = w * f'(L_u). Unlike that, a per-token weight (a
+    token-level mismatch correction) then acts on its own token only: a token weighted 0 gets no
+    gradient. No gradient crosses to other tokens, so none crosses context-parallel ranks either.
+    """
+    return unit_log_ratio.detach() + (log_ratio - log_ratio.detach())
+
+
 # The F(tau) thresholds: the share of tokens whose probability differs by more than tau times.
 # 1.25 is the share outside [0.8, 1.25], the routing-drift harness's tail measure.
 EXTREME_RATIO_TAUS = (1.25, 2, 5)

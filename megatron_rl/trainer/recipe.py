@@ -66,7 +66,7 @@ class AlgoConfig:
     default (tis 2, mis 2, icepop 5)."""
     dual_clip: float | None = None
     """PPO dual-clip's c (> 1): for a negative advantage the objective is bounded by c * A;
-    None: the loss's default (grpo 3, off for the others); 0: off."""
+    None: the loss's default (3 for every loss that has it; cispo has none); 0: off."""
     entropy_coef: float = 0.0
     """Entropy bonus: this times the current policy's token entropy, aggregated like the loss,
     is added to the objective (0: none)."""

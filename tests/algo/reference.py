@@ -85,15 +85,27 @@ def gspo(
     dual_clip=None,
     weights=None,
 ):
+    """`weights` [B, T]: a factor on each token's share of its sequence's objective (mismatch
+    correction). Each token's share is then written as verl writes GSPO, in GSPO-token's form
+    s_it = sg[s_i] * exp(logp_t - sg[logp_t]), so that the factor scales that token's gradient
+    alone; without weights the sequence's objective itself is spread over its tokens."""
     rows = []
     for i, positions in _rows(mask):
         log_seq = sum(logp[i, t] - old_logp[i, t] for t in positions) / len(positions)
-        s = torch.exp(log_seq)
         adv = advantages[i]
-        obj = _dual(
-            torch.minimum(s * adv, _clip(s, 1 - clip_low, 1 + clip_high) * adv), adv, dual_clip
-        )
-        rows.append([obj if weights is None else weights[i, t] * obj for t in positions])
+
+        def clipped(s, adv=adv):
+            obj = torch.minimum(s * adv, _clip(s, 1 - clip_low, 1 + clip_high) * adv)
+            return _dual(obj, adv, dual_clip)
+
+        if weights is None:
+            rows.append([clipped(torch.exp(log_seq))] * len(positions))
+            continue
+        shares = [
+            torch.exp(log_seq).detach() * torch.exp(logp[i, t] - logp[i, t].detach())
+            for t in positions
+        ]
+        rows.append([weights[i, t] * clipped(s) for t, s in zip(positions, shares, strict=True)])
     return _aggregate(rows, loss_agg, max_len)
 
 

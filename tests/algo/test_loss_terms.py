@@ -8,7 +8,12 @@ import math
 import pytest
 import torch
 
-from megatron_rl.algo import LOG_RATIO_CLAMP, compute_policy_loss, get_policy_loss
+from megatron_rl.algo import (
+    LOG_RATIO_CLAMP,
+    compute_policy_loss,
+    get_policy_loss,
+    policy_loss_names,
+)
 from megatron_rl.algo.ratios import ratio_from_log
 from tests.algo import reference
 from tests.algo.batches import fresh_logp, random_batch
@@ -60,10 +65,11 @@ def test_dual_clip_matches_float64_reference(name):
     assert "clip_frac/dual" in plain_metrics and float(plain_metrics["clip_frac/dual"]) == 0.0
 
 
-def test_grpo_dual_clips_at_three_by_default_and_the_others_do_not():
-    assert get_policy_loss("grpo").options["dual_clip"] == 3.0
-    for name in ("gspo", "gspo_token", "sspo", "gmpo"):
-        assert get_policy_loss(name).options["dual_clip"] is None
+def test_every_loss_with_dual_clip_bounds_at_three_by_default():
+    with_option = [n for n in policy_loss_names() if "dual_clip" in get_policy_loss(n).options]
+    assert with_option == ["grpo", "gspo", "gspo_token", "sspo", "gmpo"]
+    for name in with_option:
+        assert get_policy_loss(name).options["dual_clip"] == 3.0
     batch = random_batch(12, 8, seed=6, drift=1.5)
     default, _ = _loss("grpo", batch.logp, batch)
     explicit, _ = _loss("grpo", batch.logp, batch, dual_clip=3.0)
@@ -254,3 +260,61 @@ def test_the_penalty_and_bonus_metrics_use_the_batchs_own_denominator():
     for key in ("kl/ref", "loss/kl_penalty", "loss/entropy_bonus"):
         assert float(global_d[key]) == pytest.approx(float(own[key])), key
     assert float(own["loss/entropy_bonus"]) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token", "sspo", "gmpo"])
+def test_by_default_a_row_with_a_negative_advantage_and_log_ratio_20_gets_no_gradient(name):
+    # Without the bound its gradient is of order e^20 (4.9e8) per token.
+    old = torch.full((2, 6), -2.0, dtype=torch.float64)
+    logp = (old + torch.tensor([[20.0], [0.01]], dtype=torch.float64)).requires_grad_(True)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    advantages = torch.tensor([-1.0, -1.0], dtype=torch.float64)
+    options = {"segment_ids": torch.zeros(2, 6, dtype=torch.long), "old_entropy": 0 * old}
+    options = options if name == "sspo" else {}
+    loss, metrics = compute_policy_loss(
+        name, logp, old, advantages, mask, clip_low=0.2, clip_high=0.2, **options
+    )
+    loss.backward()
+    assert torch.equal(logp.grad[0], torch.zeros(6, dtype=torch.float64))
+    assert bool((logp.grad[1] != 0).all())  # the row inside the bound still learns
+    assert float(metrics["clip_frac/dual"]) == pytest.approx(0.5)
+    unbounded = logp.detach().clone().requires_grad_(True)
+    loss, _ = compute_policy_loss(
+        name,
+        unbounded,
+        old,
+        advantages,
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        dual_clip=None,
+        **options,
+    )
+    loss.backward()
+    assert float(unbounded.grad[0].abs().max()) > 1e6
+
+
+@pytest.mark.parametrize("name", policy_loss_names())
+def test_with_default_options_every_tokens_gradient_is_bounded(name):
+    # Ratios from e^-12 to e^12: for A > 0 an unclipped unit's ratio is at most the upper clip
+    # bound, for A < 0 at most the dual-clip c = 3; so |d loss / d logp_t| <= 3 |A_i| w_t / D
+    # with the aggregation's weight w_t / D = 1 / (|y_i| * sequences) (seq-mean-token-mean).
+    batch = random_batch(16, 10, seed=12, drift=4.0)
+    extra = batch.kwargs() if name == "sspo" else {}
+    logp = fresh_logp(batch)
+    loss, _ = compute_policy_loss(
+        name,
+        logp,
+        batch.old_logp,
+        batch.advantages,
+        batch.mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        **extra,
+    )
+    loss.backward()
+    lengths = batch.mask.sum(dim=1, keepdim=True).double()
+    bound = 3 * batch.advantages.abs()[:, None] / (lengths * batch.mask.any(dim=1).sum())
+    grad = torch.where(batch.mask, logp.grad, torch.zeros_like(logp.grad))
+    assert bool((grad.abs() <= bound * (1 + 1e-12)).all())
+    assert float(grad.abs().max()) > 0

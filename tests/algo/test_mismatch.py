@@ -262,3 +262,44 @@ def test_a_correction_without_the_engine_logprobs_is_refused():
             engine_logp=engine,
             mismatch=MismatchCorrection.of("tis"),
         )
+
+
+TOKEN_LEVEL = [("tis", "token"), ("mis", "token"), ("icepop", "token")]
+
+
+@pytest.mark.parametrize("name", policy_loss_names())
+@pytest.mark.parametrize(("mode", "level"), TOKEN_LEVEL)
+def test_a_token_level_correction_scales_each_tokens_gradient_alone(name, mode, level):
+    # Token t's gradient with the correction is its weight m_t times its gradient without: a
+    # token the correction masks (m_t = 0) gets exactly none, whatever the loss's ratio unit.
+    # Sequence-ratio losses used to let it leak through the sequence ratio into every token.
+    batch = random_batch(8, 10, seed=4, drift=0.1)
+    engine = _engine_logp(batch, noise=0.3)
+    lower, upper = BOUNDS[mode]
+    correction = MismatchCorrection.of(mode, level=level, lower=lower, upper=upper)
+    extra = batch.kwargs() if name == "sspo" else {}
+
+    def gradient(**options):
+        logp = fresh_logp(batch)
+        loss, _ = compute_policy_loss(
+            name,
+            logp,
+            batch.old_logp,
+            batch.advantages,
+            batch.mask,
+            clip_low=0.3,
+            clip_high=0.3,
+            **extra,
+            **options,
+        )
+        loss.backward()
+        return torch.where(batch.mask, logp.grad, torch.zeros_like(logp.grad))
+
+    plain = gradient()
+    corrected = gradient(engine_logp=engine, mismatch=correction)
+    weights = mismatch_weights(batch.old_logp, engine, batch.mask, correction).weights
+    torch.testing.assert_close(corrected, weights * plain, rtol=1e-12, atol=1e-15)
+    if mode != "tis":
+        masked = batch.mask & (weights == 0)
+        assert bool((masked & (plain != 0)).any())  # those tokens had a gradient to lose
+        assert bool((corrected[masked] == 0).all())
