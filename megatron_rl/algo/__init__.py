@@ -1,4 +1,5 @@
-"""Pure tensor maths of RL post-training: advantages, segments, ratios and policy losses.
+"""Pure tensor maths of RL post-training: advantages, segments, ratios and policy losses, and
+how the metrics they report combine (reductions).
 
 This package imports only torch, so every formula can be tested and reused without Megatron.
 """
@@ -7,6 +8,7 @@ from megatron_rl.algo.advantages import GroupAdvantages, group_advantages, overl
 from megatron_rl.algo.aggregation import DEFAULT_LOSS_AGG, LOSS_AGG_MODES, policy_loss_denominator
 from megatron_rl.algo.kl import KL_ESTIMATORS, kl_to_reference
 from megatron_rl.algo.losses import (
+    LOSS_METRICS,
     POLICY_LOSSES,
     PolicyLoss,
     PolicyLossSpec,
@@ -17,10 +19,12 @@ from megatron_rl.algo.losses import (
 from megatron_rl.algo.mismatch import (
     MISMATCH_CORRECTIONS,
     MISMATCH_LEVELS,
+    MISMATCH_METRICS,
     MismatchCorrection,
     engine_gap_metrics,
 )
 from megatron_rl.algo.ratios import EXTREME_RATIO_TAUS, LOG_RATIO_CLAMP, extreme_token_frac
+from megatron_rl.algo.reductions import MetricDeclarations, MetricReductions, Reduction
 from megatron_rl.algo.segments import subsentence_segment_ids
 
 __all__ = [
@@ -29,13 +33,18 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
     "LOSS_AGG_MODES",
+    "LOSS_METRICS",
     "MISMATCH_CORRECTIONS",
     "MISMATCH_LEVELS",
+    "MISMATCH_METRICS",
     "POLICY_LOSSES",
     "GroupAdvantages",
+    "MetricDeclarations",
+    "MetricReductions",
     "MismatchCorrection",
     "PolicyLoss",
     "PolicyLossSpec",
+    "Reduction",
     "compute_policy_loss",
     "engine_gap_metrics",
     "extreme_token_frac",

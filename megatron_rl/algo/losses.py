@@ -34,6 +34,7 @@ from megatron_rl.algo.ratios import (
     token_share,
     whole_sequences,
 )
+from megatron_rl.algo.reductions import MetricDeclarations, Reduction
 
 
 class UnitRatios(NamedTuple):
@@ -598,6 +599,30 @@ def _check_extra_terms(
             "log-probs [B, T]"
         )
     return correction, entropy_coef, kl_coef
+
+
+# What compute_policy_loss reports, and how each combines over micro-batches and updates
+# (megatron_rl.algo.reductions); the mismatch correction's are in mismatch.MISMATCH_METRICS.
+LOSS_METRICS: MetricDeclarations = {
+    "clip_frac/token": Reduction.MEAN,
+    "clip_frac/low": Reduction.MEAN,
+    "clip_frac/high": Reduction.MEAN,
+    "clip_frac/seq": Reduction.MEAN,
+    "clip_frac/dual": Reduction.MEAN,
+    "clip_frac/segment": Reduction.MEAN,
+    "segments/per_seq": Reduction.MEAN,
+    "ratio/mean": Reduction.MEAN,
+    "ratio/max": Reduction.MAX,
+    "ratio/min": Reduction.MIN,
+    "log_ratio/abs_max": Reduction.MAX,
+    "log_ratio/std": Reduction.MEAN,
+    "log_ratio/frac_tau*": Reduction.MEAN,
+    "kl/k3": Reduction.MEAN,
+    "kl/ref": Reduction.MEAN,
+    "loss/kl_penalty": Reduction.MEAN,
+    "loss/entropy_bonus": Reduction.MEAN,
+    "loss/denominator": Reduction.SUM,
+}
 
 
 @torch.no_grad()

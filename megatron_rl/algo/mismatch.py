@@ -40,6 +40,7 @@ from megatron_rl.algo.ratios import (
     token_log_ratio,
     whole_sequences,
 )
+from megatron_rl.algo.reductions import MetricDeclarations, Reduction
 
 MISMATCH_LEVELS = ("token", "sequence", "geometric")
 
@@ -158,6 +159,20 @@ def mismatch_weights(
         weights = torch.exp(log_rho.clamp(max=log_upper))
     changed = changed & mask
     return MismatchWeights(torch.where(mask, weights, torch.zeros_like(weights)), changed)
+
+
+# What mismatch_metrics and engine_gap_metrics report (megatron_rl.algo.reductions).
+MISMATCH_METRICS: MetricDeclarations = {
+    "mismatch/weight_mean": Reduction.MEAN,
+    "mismatch/weight_max": Reduction.MAX,
+    "mismatch/truncated_token_frac": Reduction.MEAN,
+    "mismatch/truncated_seq_frac": Reduction.MEAN,
+    "mismatch/masked_token_frac": Reduction.MEAN,
+    "mismatch/masked_seq_frac": Reduction.MEAN,
+    "mismatch/k3": Reduction.MEAN,
+    "mismatch/abs_max": Reduction.MAX,
+    "mismatch/frac_tau*": Reduction.MEAN,
+}
 
 
 @torch.no_grad()

@@ -12,6 +12,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from megatron_rl.algo.reductions import MetricDeclarations, Reduction
+
+# What routing_drift reports (megatron_rl.algo.reductions): shares and means, which average.
+DRIFT_METRICS: MetricDeclarations = {
+    "drift/token_layer": Reduction.MEAN,
+    "drift/token_any": Reduction.MEAN,
+    "drift/jaccard": Reduction.MEAN,
+    "drift/layer/*": Reduction.MEAN,
+}
+
 
 def _check(old: Tensor, new: Tensor, mask: Tensor | None) -> Tensor:
     for name, record in (("old", old), ("new", new)):

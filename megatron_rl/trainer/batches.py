@@ -114,13 +114,13 @@ class EngineRouting:
 
 
 def minibatch_rows(num_rows: int, num_minibatches: int, seed: int) -> list[list[int]]:
-    """A seeded shuffle of the rows, cut into `num_minibatches` near-equal minibatches."""
-    if num_minibatches > num_rows:
-        raise ValueError(
-            f"algo.updates_per_batch: {num_minibatches} minibatches from {num_rows} samples"
-        )
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
-    return [chunk.tolist() for chunk in torch.tensor(order).tensor_split(num_minibatches)]
+    """A seeded shuffle of the rows, cut into `num_minibatches` near-equal minibatches, or into
+    one minibatch per row when there are fewer rows (a step that kept few of its samples: dynamic
+    sampling, zero-variance groups dropped)."""
+    if num_rows < 1 or num_minibatches < 1:
+        raise ValueError(f"minibatch_rows: {num_minibatches} minibatches from {num_rows} rows")
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))
+    return [chunk.tolist() for chunk in order.tensor_split(min(num_minibatches, num_rows))]
 
 
 def micro_batches(

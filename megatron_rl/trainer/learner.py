@@ -21,9 +21,10 @@ from megatron_rl.moe.drift import routing_bytes
 from megatron_rl.parallel.collectives import host_all_reduce
 from megatron_rl.parallel.stages import from_last_stage
 from megatron_rl.trainer.batches import EngineRouting, RolloutBatch, micro_batches, minibatch_rows
+from megatron_rl.trainer.metric_reductions import UPDATE_METRICS
 from megatron_rl.trainer.metrics import StepTimer
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
-from megatron_rl.trainer.policy import Policy, UpdateResult, metric_reduction
+from megatron_rl.trainer.policy import Policy, UpdateResult
 from megatron_rl.trainer.recipe import AlgoConfig
 from megatron_rl.trainer.reference import ReferencePolicy
 from megatron_rl.trainer.schedule import OldPolicy
@@ -42,9 +43,10 @@ def learn(
 ) -> dict[str, float]:
     """Old log-probs (and with `reference` the reference's), then `algo.updates_per_batch`
     optimizer steps on minibatches of `batch` (shuffled with `seed`, cut into micro-batches of
-    `micro_batch_size` rows); returns the step's training metrics."""
+    `micro_batch_size` rows; one per row when the batch has fewer rows: `steps/updates` says how
+    many); returns the step's training metrics."""
     if batch is None:  # every group had equal rewards and was dropped
-        return {"steps/skipped": 0.0, "steps/no_data": 1.0}
+        return {"steps/skipped": 0.0, "steps/no_data": 1.0, "steps/updates": 0.0}
     mode = algo.routing_replay
     rows = minibatch_rows(batch.num_rows, algo.updates_per_batch, seed=seed)
     engine_routing = _engine_routing(policy) if mode.uses_engine_routing else None
@@ -180,19 +182,23 @@ def _with_kl_in_reward(
 
 
 def _update_metrics(updates: list[UpdateResult]) -> dict[str, float]:
-    """The step's updates in one set of metrics: means, and extremes for `*max` / `*min`;
-    skipped (non-finite) updates are counted and left out."""
-    good = [u for u in updates if not u.skipped]
+    """The step's updates in one set of metrics, each by its declared reduction over every
+    update, the skipped ones included: a non-finite loss or gradient norm shows as NaN or inf
+    (null in metrics.jsonl). Skipped updates (no optimizer step) are counted, and why."""
     metrics = {
-        "loss/policy": _mean([u.loss for u in good]),
-        "grad_norm": _mean([u.grad_norm for u in good]),
-        "steps/skipped": float(len(good) < len(updates)),
-        "steps/skipped_updates": float(len(updates) - len(good)),
+        "loss/policy": UPDATE_METRICS.combine("loss/policy", [u.loss for u in updates]),
+        "grad_norm": UPDATE_METRICS.combine("grad_norm", [u.grad_norm for u in updates]),
+        "steps/updates": float(len(updates)),
+        "steps/skipped": float(any(u.skipped for u in updates)),
+        "steps/skipped_updates": float(sum(u.skipped for u in updates)),
+        "steps/nonfinite_loss_updates": float(sum(not math.isfinite(u.loss) for u in updates)),
+        "steps/nonfinite_grad_norm_updates": float(
+            sum(not math.isfinite(u.grad_norm) for u in updates)
+        ),
     }
-    for key in sorted({k for u in good for k in u.metrics}):
-        values = [u.metrics[key] for u in good if key in u.metrics]
-        combine = {"max": max, "min": min, "mean": _mean}[metric_reduction(key)]
-        metrics[key] = combine(values)
+    for key in sorted({k for u in updates for k in u.metrics}):
+        values = [u.metrics[key] for u in updates if key in u.metrics]
+        metrics[key] = UPDATE_METRICS.combine(key, values)
     return metrics
 
 
@@ -245,7 +251,3 @@ def _engine_routing(policy: Policy) -> EngineRouting:
         sp_rank=parallel_state.get_tensor_model_parallel_rank() if sequence_parallel else 0,
         sp_size=parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel else 1,
     )
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan

@@ -297,8 +297,21 @@ class Trainer:
         export_hf(module, policy.family, policy.config, assets, out, overwrite=True)
 
     def _count_bad_steps(self, step: int, metrics: dict[str, float]) -> None:
+        """A step with a skipped (non-finite) update says so on the console; `run.max_bad_steps`
+        such steps in a row stop the run."""
         self.bad_steps = self.bad_steps + 1 if metrics["steps/skipped"] else 0
         limit = self.recipe.run.max_bad_steps
+        if self.bad_steps and dist.get_rank() == 0:
+            print(
+                f"megatron-rl: step {step}: {metrics['steps/skipped_updates']:.0f} of "
+                f"{metrics['steps/updates']:.0f} updates skipped, the weights left as they were "
+                f"(non-finite loss in {metrics['steps/nonfinite_loss_updates']:.0f}, gradient "
+                f"norm in {metrics['steps/nonfinite_grad_norm_updates']:.0f}; loss/policy "
+                f"{metrics['loss/policy']}, grad_norm {metrics['grad_norm']}); {self.bad_steps} "
+                f"such step(s) in a row, the run stops at run.max_bad_steps={limit}",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.bad_steps >= limit:
             raise TrainingAborted(
                 f"step {step}: {self.bad_steps} consecutive steps with a non-finite loss "

@@ -3,9 +3,13 @@ its Adam (plain or distributed) and the learning-rate schedule."""
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_rl.trainer.optimizer_config import OptimConfig
@@ -62,3 +66,40 @@ def build_scheduler(optimizer: MegatronOptimizer, config: OptimConfig) -> Optimi
         wd_incr_steps=1,
         wd_incr_style="constant",
     )
+
+
+class OptimizerStep(NamedTuple):
+    grad_norm: float  # of the whole gradient, before clipping (all ranks agree)
+    taken: bool  # False: the loss or the gradient norm was not finite, and no step was taken
+
+
+def step_if_finite(optimizer: MegatronOptimizer, *, loss: float) -> OptimizerStep:
+    """The optimizer step from the gradients in the parameters' `main_grad`, unless `loss` (the
+    global loss, the same on every rank) or the gradient norm is not finite: then the weights
+    and Adam's state stay as they are and the next update's zero_grad drops the gradients.
+
+    Megatron-core's `step()` runs the same stages (prepare the gradients, their norm, the clip,
+    the inner step) but decides only on a loss scaler's overflow check, which float32 and
+    bfloat16 runs do not have: it would apply a NaN gradient. Calling its stages here prepares
+    the gradients and computes their norm once per update. A collective: every rank calls it.
+    """
+    found_inf = optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    if found_inf or not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return OptimizerStep(grad_norm, taken=False)
+    # As megatron-core's step() clips: each part (the dense and the expert parameters' optimizer)
+    # by the norm of the whole gradient, with the function by the name its step calls (which
+    # parallel/cpu_compat replaces on the host).
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(part, "is_stub_optimizer", False) or part.config.clip_grad <= 0:
+            continue
+        parameters = part.get_parameters()
+        if parameters:
+            megatron_optimizer.clip_grad_by_total_norm_fp32(
+                parameters,
+                max_norm=part.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    optimizer.step_with_ready_grads()
+    return OptimizerStep(grad_norm, taken=True)

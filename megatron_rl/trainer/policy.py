@@ -7,13 +7,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
 
+from megatron_rl.algo.reductions import Reduction
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import ModelConfig, MoEModelConfig
 from megatron_rl.models.families import ModelFamily
@@ -25,11 +25,13 @@ from megatron_rl.moe.replay_mode import RoutingReplayMode
 from megatron_rl.parallel.collectives import host_all_reduce, union_over_ranks
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.stages import from_last_stage, join_stages
+from megatron_rl.trainer.metric_reductions import UPDATE_METRICS, routing_metric_name
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 from megatron_rl.trainer.optimizer import (
     OptimConfig,
     build_optimizer,
     build_scheduler,
+    step_if_finite,
     wrap_for_training,
 )
 from megatron_rl.trainer.schedule import (
@@ -45,8 +47,8 @@ _NOT_AVERAGED = ("loss/sum", "entropy/sum", "loss/denominator")
 
 @dataclass(frozen=True)
 class UpdateResult:
-    """One optimizer step: the global loss, the gradient norm and the loss metrics averaged over
-    micro-batches and data-parallel ranks (maxima and minima for `*/max`, `*/min`)."""
+    """One optimizer step: the global loss, the gradient norm and the loss metrics over
+    micro-batches and data-parallel ranks, each by its declared reduction (`UPDATE_METRICS`)."""
 
     loss: float
     grad_norm: float
@@ -106,7 +108,9 @@ class Policy:
         replayed) the metrics include how far the routers' free choice has drifted from it,
         and under replay how often the forward used other experts than the replayed ones.
 
-        A non-finite loss or gradient norm skips the step (gradients are dropped) and says so.
+        A non-finite loss or gradient norm skips the step (`step_if_finite`: the weights and the
+        optimizer's state stay as they are) and says so in `skipped`; the loss, the gradient
+        norm and the metrics keep their non-finite values.
         """
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -123,17 +127,13 @@ class Policy:
                 replaying=replaying is not None,
                 layer_numbers=self.config.moe_layers,
             )
-        # The optimizer reads `main_grad` only after prepare_grads; norm first, so that a
-        # non-finite gradient is caught before it reaches the weights.
-        self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
         loss, metrics = from_last_stage((float(result.loss), _average_metrics(result.metrics)))
-        metrics |= drift
-        skipped = not (torch.isfinite(torch.tensor([loss, grad_norm])).all())
-        if not skipped:
-            self.optimizer.step()
+        step = step_if_finite(self.optimizer, loss=loss)
+        if step.taken:
             self.scheduler.step(increment=1)
-        return UpdateResult(loss=loss, grad_norm=grad_norm, skipped=bool(skipped), metrics=metrics)
+        return UpdateResult(
+            loss=loss, grad_norm=step.grad_norm, skipped=not step.taken, metrics=metrics | drift
+        )
 
     @property
     def learning_rate(self) -> float:
@@ -199,16 +199,6 @@ def load_model_chunk(
     return source.family, source.config, chunk
 
 
-def metric_reduction(key: str) -> Literal["max", "min", "mean"]:
-    """How values of the loss metric `key` combine over micro-batches, ranks and updates:
-    extremes (`ratio/max`, `log_ratio/abs_max`, `ratio/min`) stay extremes, the rest average."""
-    if key.endswith("max"):
-        return "max"
-    if key.endswith("min"):
-        return "min"
-    return "mean"
-
-
 def _replay_drift(
     micro_batch: PolicyMicroBatch,
     observed: ObservedRouting,
@@ -233,7 +223,7 @@ def _replay_drift(
         return routing_drift(replayed, chosen, mask, layer_numbers)
 
     metrics = {
-        f"routing/{key.replace('/', '_')}": float(value)
+        routing_metric_name(key): float(value)
         for key, value in drift_from_replayed(observed.free).items()
     }
     if replaying:
@@ -243,8 +233,9 @@ def _replay_drift(
 
 
 def _average_metrics(per_micro_batch: list[dict[str, Tensor]]) -> dict[str, float]:
-    """Loss metrics over micro-batches and data-parallel ranks (a micro-batch without loss
-    tokens has none and counts for none); empty off the last stage. Every rank of the group
+    """Loss metrics over micro-batches and data-parallel ranks, each by its declared reduction
+    (`UPDATE_METRICS`; a micro-batch without loss tokens has none and counts for none); empty
+    off the last stage. A NaN in any micro-batch makes the metric NaN. Every rank of the group
     must know the keys: they are those of the loss, whichever micro-batch has them."""
     keys = sorted({k for m in per_micro_batch for k in m if k not in _NOT_AVERAGED})
     if not parallel_state.is_pipeline_last_stage():
@@ -254,28 +245,29 @@ def _average_metrics(per_micro_batch: list[dict[str, Tensor]]) -> dict[str, floa
         keys = union_over_ranks(keys, group)
     if not keys:
         return {}
-    measured = [m for m in per_micro_batch if any(key in m for key in keys)]
     values = torch.tensor(
-        [[float(m[key]) for key in keys] for m in measured] or [[0.0] * len(keys)],
+        [[float(m.get(key, math.nan)) for key in keys] for m in per_micro_batch],
         dtype=torch.float64,
     )
-    finite = torch.nan_to_num(values, nan=0.0)
-    totals = torch.stack(
-        [
-            finite.sum(0),
-            finite.max(0).values if measured else torch.full((len(keys),), -math.inf),
-            finite.min(0).values if measured else torch.full((len(keys),), math.inf),
-            torch.full((len(keys),), float(len(measured)), dtype=torch.float64),
-        ]
-    )
+    present = torch.tensor([[key in m for key in keys] for m in per_micro_batch])
+    nan = values.isnan() & present
+    values = torch.where(present & ~nan, values, 0.0)
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    counts = torch.stack([values.sum(0), present.sum(0), nan.sum(0)]).to(torch.float64)
+    largest = torch.where(present & ~nan, values, -inf).max(0).values
+    smallest = torch.where(present & ~nan, values, inf).min(0).values
     if dist.get_world_size(group) > 1:
-        totals[[0, 3]] = host_all_reduce(totals[[0, 3]], group=group)
-        totals[1] = host_all_reduce(totals[1], op=dist.ReduceOp.MAX, group=group)
-        totals[2] = host_all_reduce(totals[2], op=dist.ReduceOp.MIN, group=group)
-    row = {"max": 1, "min": 2}
+        counts = host_all_reduce(counts, group=group)
+        largest = host_all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        smallest = host_all_reduce(smallest, op=dist.ReduceOp.MIN, group=group)
+    total, count, nans = counts
+    combined = {
+        Reduction.MEAN: total / count,
+        Reduction.SUM: total,
+        Reduction.MAX: largest,
+        Reduction.MIN: smallest,
+    }
     return {
-        key: float(totals[0, index] / totals[3, index])
-        if metric_reduction(key) == "mean"
-        else float(totals[row[metric_reduction(key)], index])
+        key: math.nan if nans[index] > 0 else float(combined[UPDATE_METRICS.of(key)][index])
         for index, key in enumerate(keys)
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -27,10 +28,15 @@ from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine
+from megatron_rl.trainer import policy as policy_module
 from megatron_rl.trainer.batches import build_rollout_batch, micro_batches
+from megatron_rl.trainer.learner import learn
+from megatron_rl.trainer.metrics import StepTimer
 from megatron_rl.trainer.optimizer_config import OptimConfig
 from megatron_rl.trainer.policy import Policy
 from megatron_rl.trainer.rank0_engine import Rank0Engine
+from megatron_rl.trainer.recipe import AlgoConfig
+from megatron_rl.trainer.schedule import policy_forward_backward
 from megatron_rl.trainer.weight_sync import WeightSyncMismatch, sync_weights
 from tests.parallel.optimizer_worker import main_weights
 
@@ -218,6 +224,108 @@ def old_policy_is_current(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]
         "metrics": skipped.metrics,
         "gap": from_last_stage(gap),
     }
+
+
+def update_steps_once(launch: LaunchEnv, hf_dir: str) -> dict:
+    """One update by two copies of the policy on the same micro-batches, with a gradient clip
+    that binds: the trainer's (`Policy.update`), counting how often it prepares the gradients,
+    and megatron-core's own `optimizer.step()` after the same forward-backward. Returns the
+    count, both gradient norms and the largest weight difference after the step."""
+    dims = ParallelDims(world_size=launch.world_size, ep=launch.world_size)
+    init_distributed(dims, launch, seed=5)
+    config, optim = ModelConfig(hf_path=hf_dir), OptimConfig(lr=1e-3, clip_grad=1e-3)
+    ours, theirs = (Policy(config, dims, optim, routing_replay=False) for _ in range(2))
+    engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
+    batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
+    share = _share(ours, batch, micro_batch_size=4)
+    spec, mode = PolicyLossSpec("grpo", 0.2, 0.2), RoutingReplayMode.NONE
+    start = [weight.detach().clone() for weight in main_weights(ours.optimizer)]
+    prepared = []
+    prepare_grads = ours.optimizer.prepare_grads
+
+    def counted_prepare_grads() -> bool:
+        prepared.append(1)
+        return prepare_grads()
+
+    ours.optimizer.prepare_grads = counted_prepare_grads
+    result = ours.update(share, spec, mode)
+    theirs.model.zero_grad_buffer()
+    theirs.optimizer.zero_grad()
+    policy_forward_backward(theirs.model, share, spec)
+    taken, their_norm, _ = theirs.optimizer.step()
+    after = main_weights(ours.optimizer)
+    pairs = zip(after, main_weights(theirs.optimizer), strict=True)
+    return {
+        "prepared": len(prepared),
+        "skipped": result.skipped,
+        "taken": taken,
+        "grad_norm": (result.grad_norm, float(their_norm)),
+        "weight_diff": max(float((a - b).abs().max()) for a, b in pairs),
+        "moved": max(float((a - b).abs().max()) for a, b in zip(after, start, strict=True)),
+    }
+
+
+def non_finite_updates(launch: LaunchEnv, hf_dir: str) -> dict:
+    """Updates whose loss is NaN (NaN old log-probs in one micro-batch) or whose gradient norm is
+    inf (an inf written into one gradient after the backward; a fault injected here): each is
+    skipped, leaves the weights as they were and reports its non-finite values."""
+    dims = ParallelDims(world_size=launch.world_size, ep=launch.world_size)
+    init_distributed(dims, launch, seed=5)
+    policy = Policy(ModelConfig(hf_path=hf_dir), dims, OptimConfig(lr=1e-3), routing_replay=False)
+    engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
+    batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
+    share = _share(policy, batch, micro_batch_size=2)
+    # as the trainer's: non-finite values reach the loss instead of stopping it
+    spec = PolicyLossSpec("grpo", 0.2, 0.2, options={"check_finite": False})
+    mode = RoutingReplayMode.NONE
+    start = [weight.detach().clone() for weight in main_weights(policy.optimizer)]
+    poisoned = [replace(share[0], old_logp=share[0].old_logp * math.nan), *share[1:]]
+    nan_loss = policy.update(poisoned, spec, mode)
+    real_forward_backward = policy_module.policy_forward_backward
+
+    def inf_gradient(*args, **kwargs):
+        result = real_forward_backward(*args, **kwargs)
+        next(iter(policy.model.parameters())).main_grad.view(-1)[0] = math.inf
+        return result
+
+    policy_module.policy_forward_backward = inf_gradient
+    inf_norm = policy.update(share, spec, mode)
+    policy_module.policy_forward_backward = real_forward_backward
+    after = [weight.detach().clone() for weight in main_weights(policy.optimizer)]
+    good = policy.update(share, spec, mode)
+    return {
+        "nan_loss": (nan_loss.loss, nan_loss.grad_norm, nan_loss.skipped, nan_loss.metrics),
+        "inf_norm": (inf_norm.loss, inf_norm.grad_norm, inf_norm.skipped),
+        "good": (good.loss, good.grad_norm, good.skipped),
+        "moved": max(float((a - b).abs().max()) for a, b in zip(after, start, strict=True)),
+        "lr_steps": policy.scheduler.num_steps,
+    }
+
+
+def one_row_step(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
+    """A step that kept one sample, with algo.updates_per_batch = 4: `learn`'s metrics."""
+    dims = ParallelDims(world_size=launch.world_size, ep=launch.world_size)
+    init_distributed(dims, launch, seed=5)
+    policy = Policy(ModelConfig(hf_path=hf_dir), dims, OptimConfig(lr=1e-3))
+    engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
+    codec = PromptCodec(hf_dir, max_prompt_tokens=64)
+    batch = _rollout_batch(engine, codec)
+    one = build_rollout_batch(
+        batch.samples[1:2],
+        batch.advantages[1:2],
+        pad_id=0,
+        newline_token_ids=codec.newline_token_ids,
+    )
+    algo = AlgoConfig(loss="gspo", updates_per_batch=4)
+    return learn(
+        policy,
+        one,
+        algo.loss_spec(max_response_len=32),
+        algo,
+        micro_batch_size=4,
+        timer=StepTimer(),
+        seed=0,
+    )
 
 
 SAVED_AFTER_UPDATES = 3

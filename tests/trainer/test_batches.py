@@ -79,8 +79,14 @@ def test_minibatches_cover_every_row_once_and_depend_on_the_seed():
     assert sorted(r for chunk in chunks for r in chunk) == list(range(10))
     assert [len(c) for c in chunks] == [3, 3, 2, 2]
     assert minibatch_rows(10, 4, seed=3) == chunks != minibatch_rows(10, 4, seed=4)
-    with pytest.raises(ValueError, match="updates_per_batch"):
-        minibatch_rows(3, 4, seed=0)
+
+
+def test_fewer_rows_than_minibatches_give_one_minibatch_per_row():
+    # a step that kept fewer samples than algo.updates_per_batch used to stop the run
+    assert minibatch_rows(1, 4, seed=0) == [[0]]
+    assert sorted(minibatch_rows(3, 4, seed=0)) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="0 rows"):
+        minibatch_rows(0, 4, seed=0)
 
 
 def test_engine_routing_lands_in_router_order():

@@ -3,6 +3,7 @@ training checkpoints restore the policy and its optimizer exactly."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,34 @@ def test_a_training_checkpoint_restores_weights_and_optimizer(
     main = sum(result["main_weights_numel"] for result in results)
     local = sum(result["parameters_numel"] for result in results)
     assert main < local if distributed else main == local
+
+
+@pytest.mark.parametrize("world_size", [1, 2], ids=["one_rank", "ep2"])
+def test_an_update_prepares_the_gradients_once_and_steps_as_megatron_core_does(world_size):
+    result = run_on_ranks(policy_worker.update_steps_once, TINY_MODEL, world_size=world_size)[0]
+    assert result["prepared"] == 1  # it was 2: once for the norm, again in optimizer.step()
+    assert not result["skipped"] and result["taken"]
+    ours, theirs = result["grad_norm"]
+    assert ours == pytest.approx(theirs, rel=1e-6) and ours > 1e-3  # the clip at 1e-3 binds
+    assert result["weight_diff"] == 0.0 and result["moved"] > 1e-5
+
+
+def test_non_finite_updates_are_skipped_and_keep_their_non_finite_values():
+    result = run_on_ranks(policy_worker.non_finite_updates, TINY_MODEL, world_size=1)[0]
+    loss, grad_norm, skipped, metrics = result["nan_loss"]
+    assert math.isnan(loss) and skipped
+    # the micro-batch averages used to drop the NaN micro-batch's values
+    assert math.isnan(metrics["ratio/mean"]) and math.isnan(metrics["kl/k3"])
+    loss, grad_norm, skipped = result["inf_norm"]
+    assert math.isfinite(loss) and grad_norm == math.inf and skipped
+    assert result["moved"] == 0.0  # neither touched the weights
+    loss, grad_norm, skipped = result["good"]
+    assert math.isfinite(loss) and math.isfinite(grad_norm) and not skipped
+    assert result["lr_steps"] == 1  # only the good update advanced the schedule
+
+
+@pytest.mark.parametrize("world_size", [1, 2], ids=["one_rank", "ep2"])
+def test_a_step_that_kept_one_row_takes_one_update(world_size):
+    metrics = run_on_ranks(policy_worker.one_row_step, TINY_MODEL, world_size=world_size)[0]
+    assert metrics["steps/updates"] == 1 and metrics["steps/skipped"] == 0
+    assert math.isfinite(metrics["loss/policy"]) and metrics["grad_norm"] > 0

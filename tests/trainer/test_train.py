@@ -256,12 +256,26 @@ def test_bad_recipes_fail_before_training(tmp_path):
         assert "Traceback" not in result.stderr
 
 
-def test_non_finite_steps_are_skipped_then_the_run_aborts(tmp_path):
+@pytest.mark.parametrize(
+    ("fault", "nonfinite"),
+    [("nan_advantages", "loss"), ("inf_gradient", "grad_norm")],
+    ids=["nan_loss", "inf_grad_norm"],
+)
+def test_non_finite_steps_are_skipped_shown_counted_then_the_run_aborts(tmp_path, fault, nonfinite):
     result = train_cli(
-        tmp_path, ["run.steps=5", "run.max_bad_steps=3"], module="tests.trainer.nan_advantages"
+        tmp_path, ["run.steps=5", "run.max_bad_steps=3"], module=f"tests.trainer.{fault}"
     )
     assert result.returncode == 3
     assert "3 consecutive steps with a non-finite loss" in result.stderr
     metrics = read_metrics(tmp_path)
-    assert [metrics[step]["steps/skipped"] for step in (1, 2, 3)] == [1.0, 1.0, 1.0]
     assert sorted(metrics) == [0, 1, 2, 3]  # aborted after the third
+    for step in (1, 2, 3):
+        record = metrics[step]
+        assert record["steps/skipped"] == 1.0
+        assert record["steps/skipped_updates"] == record["steps/updates"] == 2
+        assert record[f"steps/nonfinite_{nonfinite}_updates"] == 2
+        # shown as it is (null in JSON), not averaged away
+        assert record["grad_norm"] is None
+        assert (record["loss/policy"] is None) == (nonfinite == "loss")
+        assert f"step {step}: 2 of 2 updates skipped" in result.stderr
+    assert "gradient norm in 2" in result.stderr
