@@ -39,12 +39,10 @@ class Claim:
     regime: str
 
 
-def _is(loss: str, replay: str, engine_logprobs: bool = False) -> Callable[[Row], bool]:
+def _is(loss: str, replay: str, mismatch: str = "none") -> Callable[[Row], bool]:
     def matches(row: Row) -> bool:
         return (
-            row["loss"] == loss
-            and row["routing_replay"] == replay
-            and bool(row["use_engine_logprobs"]) == engine_logprobs
+            row["loss"] == loss and row["routing_replay"] == replay and row["mismatch"] == mismatch
         )
 
     return matches
@@ -53,7 +51,7 @@ def _is(loss: str, replay: str, engine_logprobs: bool = False) -> Callable[[Row]
 GRPO = _is("grpo", "none")
 GRPO_R2 = _is("grpo", "r2")
 GSPO = _is("gspo", "none")
-GSPO_ENGINE = _is("gspo", "none", engine_logprobs=True)
+GSPO_ENGINE = _is("gspo", "none", mismatch="bypass")
 
 
 def _no_replay(row: Row) -> bool:

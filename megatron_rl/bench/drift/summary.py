@@ -117,7 +117,7 @@ def summarize_run(
         "seed": run.seed,
         "loss": recipe.algo.loss,
         "routing_replay": recipe.algo.routing_replay.value,
-        "use_engine_logprobs": recipe.algo.uses_engine_logprobs,
+        "mismatch": recipe.algo.mismatch,
         "updates_per_batch": recipe.algo.updates_per_batch,
         "lr": recipe.optim.lr,
         "layers": (run.shape or grid.base_shape).get("layers"),

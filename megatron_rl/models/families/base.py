@@ -13,7 +13,7 @@ rules and config conversions, plus a Transform where a tensor needs a new kind o
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -150,11 +150,6 @@ def bind_rules(family: ModelFamily, config: MoEModelConfig) -> dict[str, BoundRu
                 ordered.append(((-1 if layer is None else layer, index), name, bound))
     ordered.sort(key=lambda entry: entry[0])  # stable: experts keep their order
     return {name: bound for _, name, bound in ordered}
-
-
-def hf_names(bound: dict[str, BoundRule]) -> Iterator[str]:
-    for rule in bound.values():
-        yield from rule.hf
 
 
 # Megatron-Core's Transformer Engine spec fuses the input norm into the QKV projection; the

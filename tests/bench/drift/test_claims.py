@@ -9,16 +9,16 @@ from megatron_rl.bench.drift import claims
 from megatron_rl.bench.drift.summary import collapse_events
 
 ARMS = {
-    "grpo": ("grpo", "none", False),
-    "grpo_r2": ("grpo", "r2", False),
-    "gspo": ("gspo", "none", False),
-    "gspo_engine_logp": ("gspo", "none", True),
+    "grpo": ("grpo", "none", "none"),
+    "grpo_r2": ("grpo", "r2", "none"),
+    "gspo": ("gspo", "none", "none"),
+    "gspo_engine_logp": ("gspo", "none", "bypass"),
 }
 
 
 def row(arm: str, seed: int = 1, cell: str = "base", **values) -> dict:
-    loss, replay, engine = ARMS[arm]
-    drift = None if replay != "none" or engine else 0.02
+    loss, replay, mismatch = ARMS[arm]
+    drift = None if replay != "none" or mismatch == "bypass" else 0.02
     return {
         "run_id": f"{arm}--{cell}--seed{seed}",
         "arm": arm,
@@ -27,7 +27,7 @@ def row(arm: str, seed: int = 1, cell: str = "base", **values) -> dict:
         "state": "done",
         "loss": loss,
         "routing_replay": replay,
-        "use_engine_logprobs": engine,
+        "mismatch": mismatch,
         "updates_per_batch": 4,
         "lr": 2e-4,
         "layers": 4,
@@ -39,7 +39,7 @@ def row(arm: str, seed: int = 1, cell: str = "base", **values) -> dict:
         "clip_frac_token": 0.2 if loss == "gspo" else 0.002,
         "log_ratio_abs_max": 1.0 if replay == "none" else 0.5,
         "log_ratio_outside_0.8_1.25": 0.01 if replay == "none" else 0.005,
-        "old_logprob_s": 0.0 if engine else 0.2,
+        "old_logprob_s": 0.0 if mismatch == "bypass" else 0.2,
         "step_s": 1.2,
         "learn_s_per_1k_tokens": 0.5,
         "record_bytes": 40_000.0,
@@ -133,7 +133,7 @@ def test_engine_logprobs_claim_needs_stability_and_a_saving():
     assert claim.verdict == "PASS" and "0.200 s per step" in claim.evidence
     no_saving = [r | {"old_logprob_s": 0.2} for r in rows]
     assert verdict(claims.engine_logprobs_suffice, no_saving) == "FAIL"
-    unstable = [r | {"collapse_events": 1} if r["use_engine_logprobs"] else r for r in rows]
+    unstable = [r | {"collapse_events": 1} if r["mismatch"] == "bypass" else r for r in rows]
     assert verdict(claims.engine_logprobs_suffice, unstable) == "FAIL"
 
 

@@ -54,6 +54,8 @@ def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
         assert float(rows[arm]["drift_token_layer"]) >= 0
         assert (out / "runs" / f"{arm}--base--seed1" / "recipe.yaml").is_file()
     assert float(rows["grpo_r2"]["replay_miss_max"]) == 0.0
+    # the recipe's own choice of old log-probs, not the retired use_engine_logprobs
+    assert rows["gspo"]["mismatch"] == "none" and "use_engine_logprobs" not in rows["gspo"]
     text = report.read_text()
     assert "## Claims" in text and "## Crashed runs" in text
     claims = [line for line in text.splitlines() if line[:2] in {f"{n}." for n in range(1, 9)}]
