@@ -6,7 +6,7 @@ import pytest
 
 from megatron_rl.algo import MismatchCorrection
 from megatron_rl.config import ConfigError, load_config
-from megatron_rl.trainer.recipe import Recipe
+from megatron_rl.trainer.recipe import OldLogProbs, Recipe
 
 
 def _recipe(tmp_path, text):
@@ -29,7 +29,8 @@ def test_yaml_and_overrides(tmp_path):
     defaults = load_config(Recipe, None)
     assert defaults.algo.loss == "gspo" and defaults.algo.clip_low is None
     assert load_config(Recipe, None, ["algo.clip_low=none"]).algo.clip_low is None
-    assert load_config(Recipe, None, ["algo.mismatch=bypass"]).algo.uses_engine_logprobs
+    bypass = load_config(Recipe, None, ["algo.mismatch=bypass"]).algo
+    assert bypass.old_logprobs is OldLogProbs.ENGINE and not bypass.runs_old_policy_forward
 
 
 @pytest.mark.parametrize(

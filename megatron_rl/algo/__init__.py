@@ -4,7 +4,12 @@ how the metrics they report combine (reductions).
 This package imports only torch, so every formula can be tested and reused without Megatron.
 """
 
-from megatron_rl.algo.advantages import GroupAdvantages, group_advantages, overlong_penalty
+from megatron_rl.algo.advantages import (
+    GroupAdvantages,
+    group_advantages,
+    overlong_penalty,
+    zero_variance_groups,
+)
 from megatron_rl.algo.aggregation import DEFAULT_LOSS_AGG, LOSS_AGG_MODES, policy_loss_denominator
 from megatron_rl.algo.kl import KL_ESTIMATORS, kl_to_reference
 from megatron_rl.algo.losses import (
@@ -55,4 +60,5 @@ __all__ = [
     "policy_loss_denominator",
     "policy_loss_names",
     "subsentence_segment_ids",
+    "zero_variance_groups",
 ]

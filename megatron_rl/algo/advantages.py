@@ -27,6 +27,13 @@ def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int) -> Tenso
     return -(over / buffer).clamp(max=1.0)
 
 
+def zero_variance_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """`[B / group_size]` bool: the groups (consecutive rows) whose rewards `[B]` are all equal,
+    which carry no gradient (`group_advantages` gives them advantage 0)."""
+    grouped = rewards.view(-1, group_size)
+    return grouped.amax(dim=1) == grouped.amin(dim=1)
+
+
 def group_advantages(
     rewards: Tensor, group_size: int, *, std_normalize: bool = True, eps: float = 1e-6
 ) -> GroupAdvantages:
@@ -60,7 +67,7 @@ def group_advantages(
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if std_normalize:
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    zero_variance = grouped.amax(dim=1) == grouped.amin(dim=1)
+    zero_variance = zero_variance_groups(rewards, group_size)
     advantages = torch.where(zero_variance[:, None], torch.zeros_like(centred), centred)
     return GroupAdvantages(
         advantages=advantages.reshape(-1),

@@ -37,46 +37,46 @@ class RolloutBatch:
         tokens: `[B, S]` prompt + response ids, right-padded with `pad_id`.
         loss_mask: `[B, S]` bool, true at positions that predict a response token.
         engine_logp: `[B, S]` the engine's log-prob of the predicted token on the mask, else 0.
-        advantages: `[B]` per-sample advantages.
         segment_ids: `[B, S]` SSPO segment ids of the predicted tokens (-1 off the mask).
         samples: the samples, in row order (their engine routing is used for R3).
-        rewards: `[B]` the rewards the advantages came from, for advantages recomputed with
-            the KL in the reward.
-        group_size: rows [g * group_size, (g + 1) * group_size) are group g, or None when the
-            rows are not whole groups.
+        rewards: `[B]` the rewards, from which the learner takes the group advantages.
+        group_size: rows [g * group_size, (g + 1) * group_size) are group g.
     """
 
     tokens: Tensor
     loss_mask: Tensor
     engine_logp: Tensor
-    advantages: Tensor
     segment_ids: Tensor
     samples: tuple[Sample, ...]
     rewards: Tensor
-    group_size: int | None = None
+    group_size: int
 
     @property
     def num_rows(self) -> int:
         return self.tokens.shape[0]
 
+    def training_rows(self) -> list[int]:
+        """The rows with loss tokens (a filtered response's row has none)."""
+        return self.loss_mask.any(dim=1).nonzero().flatten().tolist()
+
 
 def build_rollout_batch(
     samples: Sequence[Sample],
-    advantages: Tensor,
+    rewards: Tensor,
     *,
+    group_size: int,
     pad_id: int,
     newline_token_ids: Sequence[int],
-    rewards: Tensor | None = None,
     trains: Sequence[bool] | None = None,
-    group_size: int | None = None,
 ) -> RolloutBatch:
-    """Pad `samples` (with their `[B]` advantages and rewards, zeros when not given; whole
-    groups of `group_size` rows if given) into a RolloutBatch; a sample whose `trains` entry is
-    false keeps its row but no loss token."""
-    if len(samples) != advantages.numel():
-        raise ValueError(f"advantages: {advantages.numel()} values for {len(samples)} samples")
+    """Pad `samples`, whole groups of `group_size` rows, with their `[B]` rewards into a
+    RolloutBatch; a sample whose `trains` entry is false keeps its row but no loss token."""
+    if len(samples) != rewards.numel():
+        raise ValueError(f"rewards: {rewards.numel()} values for {len(samples)} samples")
     if not samples:
         raise ValueError("samples: an empty rollout batch")
+    if group_size < 1 or len(samples) % group_size:
+        raise ValueError(f"group_size: {len(samples)} samples are not groups of {group_size}")
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     tokens = torch.full((len(samples), width), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(len(samples), width, dtype=torch.bool)
@@ -93,10 +93,9 @@ def build_rollout_batch(
         tokens=tokens,
         loss_mask=loss_mask,
         engine_logp=engine_logp,
-        advantages=advantages.to(torch.float32),
         segment_ids=segments,
         samples=tuple(samples),
-        rewards=torch.zeros(len(samples)) if rewards is None else rewards.to(torch.float32),
+        rewards=rewards.to(torch.float32),
         group_size=group_size,
     )
 
@@ -113,14 +112,15 @@ class EngineRouting:
     sp_size: int = 1
 
 
-def minibatch_rows(num_rows: int, num_minibatches: int, seed: int) -> list[list[int]]:
-    """A seeded shuffle of the rows, cut into `num_minibatches` near-equal minibatches, or into
+def minibatch_rows(rows: Sequence[int], num_minibatches: int, seed: int) -> list[list[int]]:
+    """A seeded shuffle of `rows`, cut into `num_minibatches` near-equal minibatches, or into
     one minibatch per row when there are fewer rows (a step that kept few of its samples: dynamic
-    sampling, zero-variance groups dropped)."""
-    if num_rows < 1 or num_minibatches < 1:
-        raise ValueError(f"minibatch_rows: {num_minibatches} minibatches from {num_rows} rows")
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))
-    return [chunk.tolist() for chunk in order.tensor_split(min(num_minibatches, num_rows))]
+    sampling, zero-variance groups dropped, responses filtered)."""
+    if not rows or num_minibatches < 1:
+        raise ValueError(f"minibatch_rows: {num_minibatches} minibatches from {len(rows)} rows")
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
+    shuffled = torch.tensor(rows)[order]
+    return [chunk.tolist() for chunk in shuffled.tensor_split(min(num_minibatches, len(rows)))]
 
 
 def micro_batches(
@@ -155,8 +155,8 @@ def _micro_batch(
     return PolicyMicroBatch(
         tokens=tokens,
         loss_mask=batch.loss_mask[real] & ~empty[:, None],
-        old_logp=batch.engine_logp[real],
-        advantages=torch.where(empty, 0.0, batch.advantages[real]),
+        old_logp=None,
+        engine_logp=batch.engine_logp[real],
         segment_ids=torch.where(empty[:, None], -1, batch.segment_ids[real]),
         row_ids=torch.tensor(chunk),
         routing=None

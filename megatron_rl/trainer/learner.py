@@ -3,8 +3,9 @@ then minibatch updates of the Megatron-Core policy, and their metrics."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from megatron_rl.trainer.metric_reductions import UPDATE_METRICS
 from megatron_rl.trainer.metrics import StepTimer
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 from megatron_rl.trainer.policy import Policy, UpdateResult
-from megatron_rl.trainer.recipe import AlgoConfig
+from megatron_rl.trainer.recipe import AlgoConfig, OldLogProbs
 from megatron_rl.trainer.reference import ReferencePolicy
 from megatron_rl.trainer.schedule import OldPolicy
 
@@ -41,16 +42,65 @@ def learn(
     seed: int,
     reference: ReferencePolicy | None = None,
 ) -> dict[str, float]:
-    """Old log-probs (and with `reference` the reference's), then `algo.updates_per_batch`
-    optimizer steps on minibatches of `batch` (shuffled with `seed`, cut into micro-batches of
-    `micro_batch_size` rows; one per row when the batch has fewer rows: `steps/updates` says how
-    many); returns the step's training metrics."""
+    """The learning half of a step: the micro-batches of `batch`'s training rows (shuffled with
+    `seed`, cut into `algo.updates_per_batch` minibatches of micro-batches of `micro_batch_size`
+    rows, or one per row when there are fewer rows: `steps/updates` says how many), their old
+    log-probs (`algo.old_logprobs`) and with `reference` the reference's, the group advantages,
+    then one optimizer step per minibatch. Returns the step's training metrics."""
     if batch is None:  # every group had equal rewards and was dropped
         return {"steps/skipped": 0.0, "steps/no_data": 1.0, "steps/updates": 0.0}
+    minibatches = _minibatches(policy, batch, algo, micro_batch_size=micro_batch_size, seed=seed)
+    metrics: dict[str, float] = {}
+    source = algo.old_logprobs
+    if algo.runs_old_policy_forward:
+        with timer.phase("old_logprob"):
+            minibatches, old_metrics = _with_old_policy(
+                policy, minibatches, algo, logp_are_old=source is OldLogProbs.OLD_POLICY_FORWARD
+            )
+        metrics |= old_metrics
+    if source is OldLogProbs.ENGINE:
+        minibatches = _each(minibatches, lambda micro: replace(micro, old_logp=micro.engine_logp))
+    # OldLogProbs.UPDATE_FORWARD: old_logp stays None, the update's own forward stands in.
+    kl_rows = None
+    if reference is not None:
+        with timer.phase("ref_logprob"):
+            minibatches = _with_reference(reference, minibatches)
+        if algo.kl_in_reward:
+            kl_rows, kl_metrics = _kl_per_row(batch, minibatches, algo)
+            metrics |= kl_metrics
+    minibatches = _with_advantages(minibatches, step_advantages(batch, algo, kl_rows))
     mode = algo.routing_replay
-    rows = minibatch_rows(batch.num_rows, algo.updates_per_batch, seed=seed)
-    engine_routing = _engine_routing(policy) if mode.uses_engine_routing else None
-    minibatches = [
+    with timer.phase("train"):
+        updates = [policy.update(minibatch, spec, mode) for minibatch in minibatches]
+    first = updates[0]  # before any optimizer step: it compares with the engine
+    if source is OldLogProbs.ENGINE and not algo.runs_old_policy_forward and not first.skipped:
+        metrics |= _mismatch_from_first_update(first)
+    if mode.uses_engine_routing and not first.skipped:
+        metrics |= _engine_routing_mismatch(first)
+    return metrics | {"optim/lr": policy.learning_rate} | _update_metrics(updates)
+
+
+def step_advantages(
+    batch: RolloutBatch, algo: AlgoConfig, kl_rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`[B]` float32 group advantages of `batch`'s rows from its rewards, the one place they
+    are computed; with the KL in the reward (`kl_rows` `[B]`, each sample's summed per-token KL
+    of the old policy to the reference) from the rewards less algo.kl_coef times it (verl's
+    KL in the reward)."""
+    rewards = batch.rewards.double()
+    if kl_rows is not None:
+        rewards = rewards - algo.kl_coef * kl_rows
+    shaped = group_advantages(rewards, batch.group_size, std_normalize=algo.std_normalize)
+    return shaped.advantages.to(torch.float32)
+
+
+def _minibatches(
+    policy: Policy, batch: RolloutBatch, algo: AlgoConfig, *, micro_batch_size: int, seed: int
+) -> list[list[PolicyMicroBatch]]:
+    """This rank's micro-batches of each minibatch of `batch`'s training rows (rows whose
+    responses were all filtered carry nothing and join none)."""
+    engine_routing = _engine_routing(policy) if algo.routing_replay.uses_engine_routing else None
+    return [
         micro_batches(
             batch,
             chunk,
@@ -59,44 +109,39 @@ def learn(
             micro_batch_size=micro_batch_size,
             engine_routing=engine_routing,
         )
-        for chunk in rows
+        for chunk in minibatch_rows(batch.training_rows(), algo.updates_per_batch, seed=seed)
     ]
-    metrics: dict[str, float] = {}
-    forward = algo.runs_old_policy_forward
-    if forward:
-        with timer.phase("old_logprob"):
-            minibatches, old_metrics = _with_old_policy(policy, minibatches, algo)
-        metrics |= old_metrics
-    elif algo.old_policy_is_current:
-        # The update's forward (detached) gives the old log-probs; the engine's ride beside
-        # them (the mismatch metrics, a correction).
-        minibatches = [
-            [dataclasses.replace(micro, old_logp=None, engine_logp=micro.old_logp) for micro in mb]
-            for mb in minibatches
-        ]
-    if reference is not None:
-        with timer.phase("ref_logprob"):
-            minibatches = _with_reference(reference, minibatches)
-        if algo.kl_in_reward:
-            minibatches, kl_metrics = _with_kl_in_reward(batch, minibatches, algo)
-            metrics |= kl_metrics
-    with timer.phase("train"):
-        updates = [policy.update(minibatch, spec, mode) for minibatch in minibatches]
-    if algo.uses_engine_logprobs and not forward and not updates[0].skipped:
-        metrics |= _mismatch_from_first_update(updates[0])
-    if mode.uses_engine_routing and not updates[0].skipped:
-        metrics |= _engine_routing_mismatch(updates[0])
-    return metrics | {"optim/lr": policy.learning_rate} | _update_metrics(updates)
+
+
+def _each(
+    minibatches: list[list[PolicyMicroBatch]],
+    change: Callable[[PolicyMicroBatch], PolicyMicroBatch],
+) -> list[list[PolicyMicroBatch]]:
+    return [[change(micro) for micro in minibatch] for minibatch in minibatches]
+
+
+def _with_advantages(
+    minibatches: list[list[PolicyMicroBatch]], advantages: torch.Tensor
+) -> list[list[PolicyMicroBatch]]:
+    """Each micro-batch with its rows' `advantages` (`[B]`; 0 for filler rows)."""
+
+    def attach(micro: PolicyMicroBatch) -> PolicyMicroBatch:
+        rows = micro.row_ids
+        return replace(micro, advantages=torch.where(rows < 0, 0.0, advantages[rows.clamp(min=0)]))
+
+    return _each(minibatches, attach)
 
 
 def _with_old_policy(
-    policy: Policy, minibatches: list[list[PolicyMicroBatch]], algo: AlgoConfig
+    policy: Policy,
+    minibatches: list[list[PolicyMicroBatch]],
+    algo: AlgoConfig,
+    *,
+    logp_are_old: bool,
 ) -> tuple[list[list[PolicyMicroBatch]], dict[str, float]]:
-    """The minibatches as the updates see them, after the old-policy pass over all of their
-    micro-batches: its entropy and recorded routing attached and, unless `algo.mismatch` is
-    bypass, its log-probs as the old ones (on the last pipeline stage, which alone reads them),
-    the engine's kept beside them for a mismatch correction; and the old policy's metrics."""
-    keep_engine_logp = algo.correction() is not None
+    """The minibatches after the old-policy pass over all of their micro-batches: its entropy
+    and recorded routing attached and, when `logp_are_old`, its log-probs as the old ones (on
+    the last pipeline stage, which alone reads them); and the old policy's metrics."""
     every_micro_batch = [micro for minibatch in minibatches for micro in minibatch]
     computed = policy.old_policy(every_micro_batch, algo.routing_replay)
     # The old log-probs are on the last pipeline stage; rank 0 logs.
@@ -104,12 +149,9 @@ def _with_old_policy(
     old = _old_policy_metrics(every_micro_batch, computed) if last_stage else {}
     metrics = from_last_stage(old)
     attached = [
-        dataclasses.replace(
+        replace(
             micro,
-            old_logp=micro.old_logp
-            if algo.uses_engine_logprobs or values.logp is None
-            else values.logp,
-            engine_logp=micro.old_logp if keep_engine_logp else None,
+            old_logp=values.logp if logp_are_old else None,
             old_entropy=values.entropy,
             routing=micro.routing if values.routing is None else values.routing,
         )
@@ -130,26 +172,22 @@ def _with_reference(
     every_micro_batch = [micro for minibatch in minibatches for micro in minibatch]
     logprobs = iter(reference.logprobs(every_micro_batch))
     return [
-        [dataclasses.replace(micro, ref_logp=next(logprobs)) for micro in minibatch]
+        [replace(micro, ref_logp=next(logprobs)) for micro in minibatch]
         for minibatch in minibatches
     ]
 
 
-def _with_kl_in_reward(
+def _kl_per_row(
     batch: RolloutBatch, minibatches: list[list[PolicyMicroBatch]], algo: AlgoConfig
-) -> tuple[list[list[PolicyMicroBatch]], dict[str, float]]:
-    """verl's KL in the reward: each sample's reward less algo.kl_coef times the sum over its
-    response tokens of the per-token KL estimate of the old policy to the reference; the group
-    advantages recomputed from those. On the last pipeline stage, which alone has the log-probs
-    and reads advantages; the rows are spread over the data-parallel ranks, which add up their
-    shares (each row lies in one micro-batch of one rank)."""
-    local: dict[str, float] = {}
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`[B]` each sample's summed per-token KL estimate of the old policy to the reference,
+    for verl's KL in the reward, on every rank: the last pipeline stage, which alone has the
+    log-probs, computes it (the rows are spread over the data-parallel ranks, which add up
+    their shares: each row lies in one micro-batch of one rank); and its metrics."""
+    kl_rows = None
     if parallel_state.is_pipeline_last_stage():
-        if batch.group_size is None:
-            raise ValueError("algo.kl_in_reward: the rollout batch's rows are not whole groups")
         kl_rows = torch.zeros(batch.num_rows, dtype=torch.float64)
-        every_micro_batch = [micro for minibatch in minibatches for micro in minibatch]
-        for micro in every_micro_batch:
+        for micro in (micro for minibatch in minibatches for micro in minibatch):
             kl = kl_to_reference(
                 micro.old_logp, micro.ref_logp, micro.loss_mask, algo.kl_estimator
             ).sum(dim=1)
@@ -158,27 +196,12 @@ def _with_kl_in_reward(
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         if dist.get_world_size(group) > 1:
             kl_rows = host_all_reduce(kl_rows, group=group)
-        shaped = batch.rewards.double() - algo.kl_coef * kl_rows
-        advantages = group_advantages(
-            shaped, batch.group_size, std_normalize=algo.std_normalize
-        ).advantages.to(torch.float32)
-        minibatches = [
-            [
-                dataclasses.replace(
-                    micro,
-                    advantages=torch.where(
-                        micro.row_ids < 0, 0.0, advantages[micro.row_ids.clamp(min=0)]
-                    ),
-                )
-                for micro in minibatch
-            ]
-            for minibatch in minibatches
-        ]
-        local = {
-            "kl/reward_ref": float(kl_rows.mean()),
-            "reward/kl_penalty": float(-algo.kl_coef * kl_rows.mean()),
-        }
-    return minibatches, from_last_stage(local)
+    kl_rows = from_last_stage(kl_rows)
+    metrics = {
+        "kl/reward_ref": float(kl_rows.mean()),
+        "reward/kl_penalty": float(-algo.kl_coef * kl_rows.mean()),
+    }
+    return kl_rows, metrics
 
 
 def _update_metrics(updates: list[UpdateResult]) -> dict[str, float]:
@@ -206,14 +229,13 @@ def _old_policy_metrics(
     every_micro_batch: list[PolicyMicroBatch], computed: list[OldPolicy]
 ) -> dict[str, float]:
     """Entropy of the old policy and the engine/trainer mismatch (engine_gap_metrics), over
-    response tokens (this rank's share; equal shares make it representative). The micro-batches
-    still carry the engine's log-probs as `old_logp`."""
+    response tokens (this rank's share; equal shares make it representative)."""
     masks = torch.cat([m.loss_mask.flatten() for m in every_micro_batch])
     if masks.sum() == 0 or computed[0].entropy is None:
         return {}
     entropy = torch.cat([values.entropy.flatten() for values in computed])[masks]
     trainer = torch.cat([values.logp.flatten() for values in computed])
-    engine = torch.cat([m.old_logp.flatten() for m in every_micro_batch])
+    engine = torch.cat([m.engine_logp.flatten() for m in every_micro_batch])
     gap = engine_gap_metrics(trainer, engine, masks)
     return {"entropy/mean": float(entropy.mean())} | {key: float(v) for key, v in gap.items()}
 

@@ -26,15 +26,18 @@ class PolicyMicroBatch:
     Attributes:
         tokens: `[b, S]` (or `[1, total]`) prompt + response token ids (padding: any valid id).
         loss_mask: like tokens, bool, true where the predicted token is a response token.
-        old_logp: like tokens, old-policy log-prob of the predicted token; None when the old
-            policy's weights are the current ones (one update per rollout batch): the
-            update's own forward, detached, stands in for it (and for `old_entropy`).
-        engine_logp: like tokens, the rollout engine's log-prob of it, kept beside the trainer's
-            old log-probs for a mismatch correction; or None.
+        old_logp: like tokens, the old log-prob of the predicted token, the ratio's
+            denominator, from where the recipe's `OldLogProbs` says: the old-policy forward's,
+            or the engine's (then equal to `engine_logp`); None when the update's own forward,
+            detached, stands in for it (and for `old_entropy`): one update per rollout batch.
+            Built None; the learner attaches it.
+        engine_logp: like tokens, the rollout engine's log-prob of it (the mismatch metrics and
+            corrections), or None.
         ref_logp: like tokens, the frozen reference policy's log-prob of it (KL penalty), or
             None.
         row_ids: `[b]` the rollout batch's row of each row (-1: an empty filler row), or None.
-        advantages: `[b]` (or `[N]`) per-sequence advantages; per-token ones like tokens.
+        advantages: `[b]` (or `[N]`) per-sequence advantages; per-token ones like tokens. None
+            until the learner attaches them (the loss needs them).
         segment_ids: like tokens, SSPO segment ids within each sequence, or None.
         old_entropy: like tokens, old-policy entropy, or None.
         cu_seqlens: `[N + 1]` offsets of the packed sequences, or None when padded.
@@ -47,8 +50,8 @@ class PolicyMicroBatch:
 
     tokens: Tensor
     loss_mask: Tensor
-    old_logp: Tensor | None
-    advantages: Tensor
+    old_logp: Tensor | None = None
+    advantages: Tensor | None = None
     segment_ids: Tensor | None = None
     old_entropy: Tensor | None = None
     cu_seqlens: Tensor | None = None

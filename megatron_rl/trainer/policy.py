@@ -151,14 +151,7 @@ class Policy:
             tokens[0, : len(sequence)] = torch.tensor(sequence)
             mask = torch.zeros(1, width, dtype=torch.bool)
             mask[0, : len(sequence) - 1] = True
-            micro_batches.append(
-                PolicyMicroBatch(
-                    tokens=tokens,
-                    loss_mask=mask,
-                    old_logp=torch.zeros(1, width),
-                    advantages=torch.zeros(1),
-                )
-            )
+            micro_batches.append(PolicyMicroBatch(tokens=tokens, loss_mask=mask))
         # The routers choose freely: the probe compares weights, not a recorded routing.
         computed = old_policy_pass(self.model, micro_batches)
         # Only the last pipeline stage has log-probs; every rank of it holds the same ones.

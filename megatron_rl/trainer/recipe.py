@@ -10,6 +10,7 @@ Each component defines the section it takes, with each option's default in that 
 
 from __future__ import annotations
 
+import enum
 import signal
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -32,6 +33,15 @@ from megatron_rl.rewards.config import DataConfig
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.trainer.metrics import MetricsConfig
 from megatron_rl.trainer.optimizer_config import OptimConfig
+
+
+class OldLogProbs(enum.Enum):
+    """Where an update's old log-probs, the denominator of its importance ratio, come from
+    (`AlgoConfig.old_logprobs`, the one place that decides it)."""
+
+    OLD_POLICY_FORWARD = "a forward of the weights before the step's updates"
+    UPDATE_FORWARD = "the update's own forward, detached (one update per rollout batch)"
+    ENGINE = "the rollout engine's (algo.mismatch=bypass)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,32 +105,30 @@ class AlgoConfig:
     MISMATCH_MODES: ClassVar[tuple[str, ...]] = ("none", "bypass", *MISMATCH_CORRECTIONS)
 
     @property
-    def uses_engine_logprobs(self) -> bool:
-        """The engine's log-probs stand in for the old policy's (no trainer forward for them)."""
-        return self.mismatch == "bypass"
-
-    @property
-    def old_policy_is_current(self) -> bool:
-        """One update per rollout batch: the old policy's weights are the ones the update
-        starts from, so the update's own forward (detached) gives the old log-probs and no
-        separate old-policy forward runs. Not under bypass (the engine's are the old ones), R2
-        (the old-policy forward records the routing the update replays) or the KL in the reward
-        (it needs the old log-probs before the update)."""
-        return (
+    def old_logprobs(self) -> OldLogProbs:
+        """Where the updates' old log-probs come from, decided here alone: the engine's under
+        algo.mismatch=bypass; with one update per rollout batch the update's own forward
+        (the old policy's weights are the ones the update starts from), except under R2 (the
+        old-policy forward records the routing the update replays) or the KL in the reward
+        (it needs them before the update); else a forward of the weights before the updates."""
+        if self.mismatch == "bypass":
+            return OldLogProbs.ENGINE
+        if (
             self.updates_per_batch == 1
-            and not self.uses_engine_logprobs
             and not self.routing_replay.needs_old_policy_forward
             and not self.kl_in_reward
-        )
+        ):
+            return OldLogProbs.UPDATE_FORWARD
+        return OldLogProbs.OLD_POLICY_FORWARD
 
     @property
     def runs_old_policy_forward(self) -> bool:
-        """The trainer runs the old policy's forward before the updates: not when the old
-        policy is the current weights, nor under bypass unless the loss needs the old policy's
-        entropy (SSPO does)."""
-        if self.old_policy_is_current:
-            return False
-        return not self.uses_engine_logprobs or get_policy_loss(self.loss).needs_old_entropy
+        """The trainer runs the old policy's forward before the updates: for its log-probs, or
+        under bypass for the old policy's entropy when the loss needs it (SSPO does)."""
+        source = self.old_logprobs
+        return source is OldLogProbs.OLD_POLICY_FORWARD or (
+            source is OldLogProbs.ENGINE and get_policy_loss(self.loss).needs_old_entropy
+        )
 
     def correction(self) -> MismatchCorrection | None:
         """The mismatch correction the loss applies (tis, mis, icepop), or None."""
@@ -313,7 +321,10 @@ class Recipe:
                 "parallel.cp: the trainer does not split sequences yet (model-level context "
                 "parallelism needs Transformer Engine's attention; docs/parallelism.md)"
             )
-        if self.algo.routing_replay.needs_old_policy_forward and self.algo.uses_engine_logprobs:
+        if (
+            self.algo.routing_replay.needs_old_policy_forward
+            and self.algo.old_logprobs is OldLogProbs.ENGINE
+        ):
             raise ConfigError(
                 "algo.routing_replay=r2 records routing in the trainer's old-policy forward, "
                 "which algo.mismatch=bypass skips; use r3 or another algo.mismatch"

@@ -54,6 +54,9 @@ class StepRollouts:
         batch = state["batch"]
         if batch is not None:
             samples = tuple(Sample(**sample) for sample in batch["samples"])
+            # Checkpoints before 2026-12-03 also hold the batch's advantages, which the learner
+            # now takes from the rewards (the same values).
+            batch.pop("advantages", None)
             batch = RolloutBatch(**(batch | {"samples": samples}))
         return cls(state["step"], state["version"], batch, state["metrics"])
 

@@ -1,12 +1,13 @@
 """The rollout half of an RL step, on the rank that holds the engine: samples, rewards (with the
-overlong penalty), group advantages, the groups and samples that train (zero-variance groups,
-dynamic sampling, the overlong filter), and one padded batch of them."""
+overlong penalty), the groups and samples that train (zero-variance groups, dynamic sampling, the
+overlong filter), and one padded batch of them. The group advantages are the learner's: with the
+KL in the reward they wait for the old policy's log-probs."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron_rl.algo import group_advantages, overlong_penalty
+from megatron_rl.algo import overlong_penalty, zero_variance_groups
 from megatron_rl.rewards import DataConfig, Problem, ProblemSource, Verifier
 from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.collect import Rollouts, collect_rollouts
@@ -38,14 +39,14 @@ def rollout_step(
     data: DataConfig,
     seed: int,
 ) -> tuple[RolloutBatch | None, dict[str, float]]:
-    """`rollout.group_size` samples of each problem of `step`, scored by `verifier`, with their
-    group advantages; with `rollout.dynamic_sampling` further rounds of problems until
+    """`rollout.group_size` samples of each problem of `step`, scored by `verifier`; with
+    `rollout.dynamic_sampling` further rounds of problems until
     `prompts_per_step` groups carry a gradient. Returns the batch (None when nothing is left to
     train on) and the metrics: the first round's rollout metrics (the policy on the step's own
     problems) and what was kept."""
     rounds = rollout.max_generation_rounds if rollout.dynamic_sampling else 1
     drop_equal = algo.drop_zero_variance_groups or rollout.dynamic_sampling
-    kept_samples, kept_advantages, kept_rewards, trains, metrics = [], [], [], [], {}
+    kept_samples, kept_rewards, trains, metrics = [], [], [], {}
     generated = kept_groups = zero_variance = filtered = 0
     for round_index in range(rounds):
         round_problems = (
@@ -65,15 +66,13 @@ def rollout_step(
         )
         if round_index == 0:
             metrics = rollouts.metrics
-        groups = group_advantages(
-            rollouts.rewards, rollout.group_size, std_normalize=algo.std_normalize
-        )
+        equal = zero_variance_groups(rollouts.rewards, rollout.group_size)
         generated += len(round_problems)
-        zero_variance += int(groups.num_zero_variance_groups)
+        zero_variance += int(equal.sum())
         for group in range(len(round_problems)):
             if kept_groups == rollout.prompts_per_step and rollout.dynamic_sampling:
                 break
-            if drop_equal and bool(groups.zero_variance[group * rollout.group_size]):
+            if drop_equal and bool(equal[group]):
                 continue
             kept_groups += 1
             for row in range(group * rollout.group_size, (group + 1) * rollout.group_size):
@@ -83,7 +82,6 @@ def rollout_step(
                 overlong = algo.overlong_filter and sample.finish_reason == "length"
                 filtered += overlong
                 kept_samples.append(sample)
-                kept_advantages.append(groups.advantages[row])
                 kept_rewards.append(rollouts.rewards[row])
                 trains.append(not overlong)
         if kept_groups >= rollout.prompts_per_step:
@@ -104,7 +102,6 @@ def rollout_step(
         return None, metrics
     batch = build_rollout_batch(
         kept_samples,
-        torch.stack(kept_advantages),
         pad_id=codec.tokenizer.pad_token_id or 0,
         newline_token_ids=codec.newline_token_ids,
         rewards=torch.stack(kept_rewards),

@@ -54,6 +54,8 @@ def policy_loss_func(
         # nothing to add, a zero that keeps the graph, and no metrics to average in.
         zero = (token.logp * 0.0).sum()
         return zero, torch.zeros((), dtype=torch.int), {"loss/sum": zero.detach()}
+    if micro_batch.advantages is None:
+        raise ValueError("advantages: the micro-batch has none (the learner attaches them)")
     options = {key: value for key, value in spec.options.items() if key != "loss_denominator"}
     loss_sum, metrics = compute_policy_loss(
         spec.name,

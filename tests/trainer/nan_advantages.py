@@ -9,7 +9,7 @@ import torch
 
 from megatron_rl import cli
 from megatron_rl.algo import GroupAdvantages, group_advantages
-from megatron_rl.trainer import rollout_step
+from megatron_rl.trainer import learner
 
 
 def _nan_advantages(rewards: torch.Tensor, group_size: int, **kwargs) -> GroupAdvantages:
@@ -19,5 +19,5 @@ def _nan_advantages(rewards: torch.Tensor, group_size: int, **kwargs) -> GroupAd
 
 
 if __name__ == "__main__":
-    rollout_step.group_advantages = _nan_advantages
+    learner.group_advantages = _nan_advantages
     sys.exit(cli.main(sys.argv[1:]))

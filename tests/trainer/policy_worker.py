@@ -16,7 +16,6 @@ from megatron_rl.algo import (
     MismatchCorrection,
     PolicyLossSpec,
     engine_gap_metrics,
-    group_advantages,
 )
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.moe.replay_mode import RoutingReplayMode
@@ -30,7 +29,7 @@ from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.trainer import policy as policy_module
 from megatron_rl.trainer.batches import build_rollout_batch, micro_batches
-from megatron_rl.trainer.learner import learn
+from megatron_rl.trainer.learner import learn, step_advantages
 from megatron_rl.trainer.metrics import StepTimer
 from megatron_rl.trainer.optimizer_config import OptimConfig
 from megatron_rl.trainer.policy import Policy
@@ -80,14 +79,23 @@ class _LostUpdates(LocalEngine):
 
 
 def _share(policy: Policy, batch, micro_batch_size: int) -> list:
-    """This rank's data-parallel share of all of `batch`'s rows, as micro-batches."""
-    return micro_batches(
-        batch,
-        list(range(batch.num_rows)),
-        dp_rank=parallel_state.get_data_parallel_rank(),
-        dp_size=policy.dims.dp,
-        micro_batch_size=micro_batch_size,
-    )
+    """This rank's data-parallel share of all of `batch`'s rows, as micro-batches with their
+    group advantages and the engine's log-probs as the old ones."""
+    advantages = step_advantages(batch, AlgoConfig())
+    return [
+        replace(
+            micro,
+            old_logp=micro.engine_logp,
+            advantages=torch.where(micro.row_ids < 0, 0.0, advantages[micro.row_ids.clamp(0)]),
+        )
+        for micro in micro_batches(
+            batch,
+            list(range(batch.num_rows)),
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=policy.dims.dp,
+            micro_batch_size=micro_batch_size,
+        )
+    ]
 
 
 def _one_update(policy: Policy, batch) -> float:
@@ -138,7 +146,8 @@ def _rollout_batch(engine: LocalEngine | None, codec: PromptCodec):
     rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
     return build_rollout_batch(
         samples,
-        group_advantages(rewards, 2).advantages,
+        rewards,
+        group_size=2,
         pad_id=0,
         newline_token_ids=codec.newline_token_ids,
     )
@@ -303,16 +312,19 @@ def non_finite_updates(launch: LaunchEnv, hf_dir: str) -> dict:
 
 
 def one_row_step(launch: LaunchEnv, hf_dir: str) -> dict[str, float]:
-    """A step that kept one sample, with algo.updates_per_batch = 4: `learn`'s metrics."""
+    """A step that kept one training row, with algo.updates_per_batch = 4: `learn`'s metrics."""
     dims = ParallelDims(world_size=launch.world_size, ep=launch.world_size)
     init_distributed(dims, launch, seed=5)
     policy = Policy(ModelConfig(hf_path=hf_dir), dims, OptimConfig(lr=1e-3))
     engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
     codec = PromptCodec(hf_dir, max_prompt_tokens=64)
     batch = _rollout_batch(engine, codec)
+    # one group of 2 whose first response was filtered (DAPO's overlong filter): one row trains
     one = build_rollout_batch(
-        batch.samples[1:2],
-        batch.advantages[1:2],
+        batch.samples[:2],
+        batch.rewards[:2],
+        group_size=2,
+        trains=[False, True],
         pad_id=0,
         newline_token_ids=codec.newline_token_ids,
     )

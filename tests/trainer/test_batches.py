@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl.algo import group_advantages
 from megatron_rl.rollout.engine import Sample
 from megatron_rl.trainer.batches import (
     EngineRouting,
@@ -12,6 +13,8 @@ from megatron_rl.trainer.batches import (
     micro_batches,
     minibatch_rows,
 )
+from megatron_rl.trainer.learner import step_advantages
+from megatron_rl.trainer.recipe import AlgoConfig
 
 NEWLINE = 9
 
@@ -33,7 +36,7 @@ def _sample(prompt, response, routed=False, layers=2):
 def test_positions_predict_the_response_tokens():
     samples = [_sample([1, 2, 3], [4, NEWLINE, 5]), _sample([6], [7, 8])]
     batch = build_rollout_batch(
-        samples, torch.tensor([1.0, -1.0]), pad_id=0, newline_token_ids=[NEWLINE]
+        samples, torch.tensor([1.0, 0.0]), group_size=2, pad_id=0, newline_token_ids=[NEWLINE]
     )
     assert batch.tokens.tolist() == [[1, 2, 3, 4, NEWLINE, 5], [6, 7, 8, 0, 0, 0]]
     # Position t predicts token t + 1: the response starts being predicted at prompt - 1.
@@ -49,14 +52,21 @@ def test_positions_predict_the_response_tokens():
 
 def test_an_empty_response_is_a_row_without_loss_tokens():
     samples = [_sample([1, 2], []), _sample([1, 2], [3])]
-    batch = build_rollout_batch(samples, torch.zeros(2), pad_id=0, newline_token_ids=[NEWLINE])
+    batch = build_rollout_batch(
+        samples, torch.zeros(2), group_size=2, pad_id=0, newline_token_ids=[NEWLINE]
+    )
     assert not batch.loss_mask[0].any() and batch.loss_mask[1].sum() == 1
+    assert batch.training_rows() == [1]
 
 
 def test_micro_batches_have_one_shape_and_equal_counts_on_every_rank():
     samples = [_sample([1, 2], [3] * (i % 4 + 1)) for i in range(7)]
     batch = build_rollout_batch(
-        samples, torch.arange(7, dtype=torch.float32), pad_id=0, newline_token_ids=[NEWLINE]
+        samples,
+        torch.arange(7, dtype=torch.float32),
+        group_size=7,
+        pad_id=0,
+        newline_token_ids=[NEWLINE],
     )
     rows = list(range(7))
     per_rank = [
@@ -65,33 +75,38 @@ def test_micro_batches_have_one_shape_and_equal_counts_on_every_rank():
     assert [len(m) for m in per_rank] == [2, 2]
     shapes = {tuple(mb.tokens.shape) for ranks in per_rank for mb in ranks}
     assert shapes == {(2, batch.tokens.shape[1])}
-    # Rank 0 takes rows 0, 2, 4, 6 and rank 1 rows 1, 3, 5 plus one empty row.
-    advantages = [mb.advantages.tolist() for mb in per_rank[1]]
-    assert advantages == [[1.0, 3.0], [5.0, 0.0]]
+    # Rank 0 takes rows 0, 2, 4, 6 and rank 1 rows 1, 3, 5 plus one empty row (-1).
+    assert [mb.row_ids.tolist() for mb in per_rank[1]] == [[1, 3], [5, -1]]
     empty = per_rank[1][1]
     assert not empty.loss_mask[1].any() and (empty.segment_ids[1] == -1).all()
-    every = sorted(float(a) for ranks in per_rank for mb in ranks for a in mb.advantages)
-    assert every == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    every = sorted(int(r) for ranks in per_rank for mb in ranks for r in mb.row_ids)
+    assert every == [-1, 0, 1, 2, 3, 4, 5, 6]
+    # the learner attaches the old log-probs and advantages; the engine's ride along
+    assert all(mb.old_logp is None and mb.advantages is None for mb in per_rank[0])
+    assert torch.equal(per_rank[0][0].engine_logp, batch.engine_logp[[0, 2]])
 
 
 def test_minibatches_cover_every_row_once_and_depend_on_the_seed():
-    chunks = minibatch_rows(10, 4, seed=3)
+    chunks = minibatch_rows(range(10), 4, seed=3)
     assert sorted(r for chunk in chunks for r in chunk) == list(range(10))
     assert [len(c) for c in chunks] == [3, 3, 2, 2]
-    assert minibatch_rows(10, 4, seed=3) == chunks != minibatch_rows(10, 4, seed=4)
+    assert minibatch_rows(range(10), 4, seed=3) == chunks != minibatch_rows(range(10), 4, seed=4)
+    assert sorted(r for c in minibatch_rows([2, 5, 7], 2, seed=0) for r in c) == [2, 5, 7]
 
 
 def test_fewer_rows_than_minibatches_give_one_minibatch_per_row():
     # a step that kept fewer samples than algo.updates_per_batch used to stop the run
-    assert minibatch_rows(1, 4, seed=0) == [[0]]
-    assert sorted(minibatch_rows(3, 4, seed=0)) == [[0], [1], [2]]
+    assert minibatch_rows([6], 4, seed=0) == [[6]]
+    assert sorted(minibatch_rows(range(3), 4, seed=0)) == [[0], [1], [2]]
     with pytest.raises(ValueError, match="0 rows"):
-        minibatch_rows(0, 4, seed=0)
+        minibatch_rows([], 4, seed=0)
 
 
 def test_engine_routing_lands_in_router_order():
     samples = [_sample([1, 2, 3], [4, 5], routed=True), _sample([6], [7], routed=True)]
-    batch = build_rollout_batch(samples, torch.ones(2), pad_id=0, newline_token_ids=[NEWLINE])
+    batch = build_rollout_batch(
+        samples, torch.ones(2), group_size=2, pad_id=0, newline_token_ids=[NEWLINE]
+    )
     routing = EngineRouting(num_layers=2, moe_layers=(0, 1), stage_layers=(0, 1), topk=2)
     (micro,) = micro_batches(
         batch, [0, 1], dp_rank=0, dp_size=1, micro_batch_size=2, engine_routing=routing
@@ -108,7 +123,9 @@ def test_engine_routing_of_a_model_with_a_dense_first_layer(engine_records):
     both give this stage the routing of model layers 2 and 3."""
     width = 4 if engine_records == "all_layers" else 3
     samples = [_sample([1, 2, 3], [4, 5], routed=True, layers=width)]
-    batch = build_rollout_batch(samples, torch.ones(1), pad_id=0, newline_token_ids=[NEWLINE])
+    batch = build_rollout_batch(
+        samples, torch.ones(1), group_size=1, pad_id=0, newline_token_ids=[NEWLINE]
+    )
     routing = EngineRouting(num_layers=4, moe_layers=(1, 2, 3), stage_layers=(2, 3), topk=2)
     (micro,) = micro_batches(
         batch, [0], dp_rank=0, dp_size=1, micro_batch_size=1, engine_routing=routing
@@ -122,7 +139,25 @@ def test_engine_routing_of_a_model_with_a_dense_first_layer(engine_records):
 
 def test_engine_routing_of_an_unexpected_width_is_refused():
     samples = [_sample([1, 2, 3], [4, 5], routed=True, layers=2)]
-    batch = build_rollout_batch(samples, torch.ones(1), pad_id=0, newline_token_ids=[NEWLINE])
+    batch = build_rollout_batch(
+        samples, torch.ones(1), group_size=1, pad_id=0, newline_token_ids=[NEWLINE]
+    )
     routing = EngineRouting(num_layers=4, moe_layers=(1, 2, 3), stage_layers=(1, 2, 3), topk=2)
     with pytest.raises(ValueError, match=r"records cover 2 layer.*4 layer.*3 of them MoE"):
         micro_batches(batch, [0], dp_rank=0, dp_size=1, micro_batch_size=1, engine_routing=routing)
+
+
+def test_advantages_are_the_groups_of_the_rewards_less_the_kl_in_the_reward():
+    samples = [_sample([1], [2, 3]) for _ in range(4)]
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    batch = build_rollout_batch(
+        samples, rewards, group_size=2, pad_id=0, newline_token_ids=[NEWLINE]
+    )
+    algo = AlgoConfig()
+    expected = group_advantages(rewards, 2).advantages
+    torch.testing.assert_close(step_advantages(batch, algo), expected)
+    kl_rows = torch.tensor([0.0, 0.5, 2.0, 0.0], dtype=torch.float64)
+    shaped = AlgoConfig(kl_coef=0.1, kl_in_reward=True)
+    expected = group_advantages(rewards.double() - 0.1 * kl_rows, 2).advantages.float()
+    torch.testing.assert_close(step_advantages(batch, shaped, kl_rows), expected)
+    assert float(step_advantages(batch, shaped, kl_rows)[2]) != 0  # the KL split the tie

@@ -41,7 +41,9 @@ def _batch(step: int, version: int, last_version: int | None = None):
         )
         for row in range(2)
     ]
-    return build_rollout_batch(samples, torch.tensor([1.0, -1.0]), pad_id=0, newline_token_ids=[9])
+    return build_rollout_batch(
+        samples, torch.tensor([1.0, 0.0]), group_size=2, pad_id=0, newline_token_ids=[9]
+    )
 
 
 def _run(max_staleness: int, steps: int, on_generate=None) -> list[tuple[int, int, int]]:
@@ -191,10 +193,18 @@ def test_the_rollouts_generated_ahead_survive_a_checkpoint(tmp_path):
         assert (again.step, again.version) == (step, 0)
         assert again.metrics["reward/mean"] == 0.5
         assert again.metrics["staleness/mean"] == again.metrics["staleness/max"] == step - 1
-        for name in ("tokens", "loss_mask", "engine_logp", "advantages", "rewards"):
+        for name in ("tokens", "loss_mask", "engine_logp", "segment_ids", "rewards"):
             assert torch.equal(getattr(again.batch, name), getattr(expected.batch, name)), name
         for kept, made in zip(again.batch.samples, expected.batch.samples, strict=True):
             assert kept.prompt_ids == made.prompt_ids and kept.weight_version == 0
             assert torch.equal(kept.routed_experts, made.routed_experts)
     with pytest.raises(ValueError, match=r"saved with rollout.max_staleness=1, resumed with 2"):
         resumed.restore(tmp_path, 1, list)
+
+
+def test_rollouts_saved_with_their_advantages_still_load():
+    # checkpoints taken before the learner computed the advantages hold them in the batch
+    state = StepRollouts(2, 0, _batch(2, 0), {}).state()
+    state["batch"]["advantages"] = torch.tensor([1.0, -1.0])
+    restored = StepRollouts.from_state(state)
+    assert torch.equal(restored.batch.rewards, torch.tensor([1.0, 0.0]))

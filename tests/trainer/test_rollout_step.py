@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.algo import overlong_penalty
+from megatron_rl.algo import overlong_penalty, zero_variance_groups
 from megatron_rl.config import load_config
 from megatron_rl.rewards import ArithmeticTask, ProblemSource, get_verifier
 from megatron_rl.rollout.codec import PromptCodec
@@ -62,8 +62,7 @@ def _step(parts, recipe: Recipe, step: int = 1, verifier=ARITHMETIC):
 
 
 def _groups_with_variance(batch) -> int:
-    advantages = batch.advantages.view(-1, GROUP)
-    return int((advantages.abs().sum(dim=1) > 0).sum())
+    return int((~zero_variance_groups(batch.rewards, GROUP)).sum())
 
 
 def test_dynamic_sampling_fills_the_step_with_groups_that_have_a_gradient(parts):
