@@ -192,8 +192,9 @@ def test_the_old_engine_logprobs_key_in_a_recipe_file_names_its_replacement(tmp_
 
 def test_the_loss_spec_carries_the_correction_dual_clip_and_entropy_bonus():
     spec = load_config(Recipe, None, ["algo.loss=grpo"]).algo.loss_spec(max_response_len=8)
-    assert "dual_clip" not in spec.options  # the loss's own default (grpo: 3)
-    assert spec.options["mismatch"] is None and spec.options["entropy_coef"] == 0.0
+    assert spec.options.dual_clip == 3.0  # the loss's own default
+    assert spec.options.mismatch is None and spec.options.entropy_coef == 0.0
+    assert not spec.options.check_finite  # the step is skipped and counted instead
     overrides = [
         "algo.loss=grpo",
         "algo.dual_clip=0",
@@ -201,11 +202,11 @@ def test_the_loss_spec_carries_the_correction_dual_clip_and_entropy_bonus():
         "algo.entropy_coef=1e-3",
     ]
     spec = load_config(Recipe, None, overrides).algo.loss_spec(max_response_len=8)
-    assert spec.options["dual_clip"] is None  # 0: off
-    assert spec.options["mismatch"] == MismatchCorrection("mis", "sequence", 0.0, 2.0)
-    assert spec.options["entropy_coef"] == 1e-3
+    assert spec.options.dual_clip is None  # 0: off
+    assert spec.options.mismatch == MismatchCorrection("mis", "sequence", 0.0, 2.0)
+    assert spec.options.entropy_coef == 1e-3
     spec = load_config(
         Recipe, None, ["algo.dual_clip=5", "algo.mismatch=tis", "algo.mismatch_level=geometric"]
     ).algo.loss_spec(max_response_len=8)
-    assert spec.options["dual_clip"] == 5.0
-    assert spec.options["mismatch"] == MismatchCorrection("tis", "geometric", None, 2.0)
+    assert spec.options.dual_clip == 5.0
+    assert spec.options.mismatch == MismatchCorrection("tis", "geometric", None, 2.0)

@@ -12,15 +12,8 @@ from megatron_rl.algo.advantages import (
 )
 from megatron_rl.algo.aggregation import DEFAULT_LOSS_AGG, LOSS_AGG_MODES, policy_loss_denominator
 from megatron_rl.algo.kl import KL_ESTIMATORS, kl_to_reference
-from megatron_rl.algo.losses import (
-    LOSS_METRICS,
-    POLICY_LOSSES,
-    PolicyLoss,
-    PolicyLossSpec,
-    compute_policy_loss,
-    get_policy_loss,
-    policy_loss_names,
-)
+from megatron_rl.algo.loss_options import DEFAULT_DUAL_CLIP, LossOptions
+from megatron_rl.algo.losses import POLICY_LOSSES, PolicyLoss, get_policy_loss, policy_loss_names
 from megatron_rl.algo.mismatch import (
     MISMATCH_CORRECTIONS,
     MISMATCH_LEVELS,
@@ -28,11 +21,18 @@ from megatron_rl.algo.mismatch import (
     MismatchCorrection,
     engine_gap_metrics,
 )
+from megatron_rl.algo.policy_loss import (
+    LOSS_METRICS,
+    PolicyLossSpec,
+    compute_policy_loss,
+    policy_loss,
+)
 from megatron_rl.algo.ratios import EXTREME_RATIO_TAUS, LOG_RATIO_CLAMP, extreme_token_frac
 from megatron_rl.algo.reductions import MetricDeclarations, MetricReductions, Reduction
 from megatron_rl.algo.segments import subsentence_segment_ids
 
 __all__ = [
+    "DEFAULT_DUAL_CLIP",
     "DEFAULT_LOSS_AGG",
     "EXTREME_RATIO_TAUS",
     "KL_ESTIMATORS",
@@ -44,6 +44,7 @@ __all__ = [
     "MISMATCH_METRICS",
     "POLICY_LOSSES",
     "GroupAdvantages",
+    "LossOptions",
     "MetricDeclarations",
     "MetricReductions",
     "MismatchCorrection",
@@ -57,6 +58,7 @@ __all__ = [
     "group_advantages",
     "kl_to_reference",
     "overlong_penalty",
+    "policy_loss",
     "policy_loss_denominator",
     "policy_loss_names",
     "subsentence_segment_ids",

@@ -37,7 +37,8 @@ class Aggregation(NamedTuple):
     denominator: Tensor  # [] local denominator D of this batch
 
 
-def _check_mode(loss_agg: object, max_response_len: object) -> None:
+def check_aggregation(loss_agg: object, max_response_len: object) -> None:
+    """`loss_agg` is a mode of LOSS_AGG_MODES, with `max_response_len` where it needs one."""
     if loss_agg not in LOSS_AGG_MODES:
         raise ValueError(
             f"loss_agg: unknown mode {loss_agg!r}; valid modes: {', '.join(LOSS_AGG_MODES)}"
@@ -66,7 +67,7 @@ def aggregation(
 ) -> Aggregation:
     """Token weights `[B, T]` and the denominator for `mask` `[B, T]` under `loss_agg` (local to
     this batch, or over all shards of its rows under `shard_sum`)."""
-    _check_mode(loss_agg, max_response_len)
+    check_aggregation(loss_agg, max_response_len)
     lengths = response_lengths(mask, dtype, shard_sum)
     num_sequences = (lengths > 0).sum().to(dtype)
     ones = mask.to(dtype)

@@ -104,7 +104,10 @@ def run_depth(layers: int, spec: ReplayBenchSpec) -> dict[str, object]:
     init_distributed(ParallelDims(world_size=1), LaunchEnv.from_environ({}))
     config = bench_model(layers)
     ddps, replays = _arms(config)
-    batches, loss = _micro_batches(spec, config.vocab_size), PolicyLossSpec("grpo", 0.2, 0.27)
+    batches, loss = (
+        _micro_batches(spec, config.vocab_size),
+        PolicyLossSpec.of("grpo", clip_low=0.2, clip_high=0.27),
+    )
     recorded: dict = {}  # per mode, the micro-batches with the routing its last old pass recorded
 
     def old_pass(mode: RoutingReplayMode) -> None:

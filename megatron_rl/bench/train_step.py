@@ -148,7 +148,7 @@ def run_benchmark(spec: TrainStepSpec) -> dict[str, object]:
             build_gpt_moe(model_config, dims, recompute=spec.recompute), distributed_optimizer=False
         )
         optimizer = build_optimizer(model, OptimConfig(lr=1e-6))
-        loss = PolicyLossSpec("gspo", 3e-4, 4e-4, options={"check_finite": False})
+        loss = PolicyLossSpec.of("gspo", clip_low=3e-4, clip_high=4e-4, check_finite=False)
         batches = _rollouts(spec, device)
         seconds = []
         for step in range(spec.steps + 1):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -108,6 +109,89 @@ class _StepGate:
             with self._condition:
                 self._pauses -= 1
                 self._condition.notify_all()
+
+
+def _left_padded(prompts: list[tuple[int, ...]]) -> tuple[Tensor, Tensor]:
+    """The prompts as `[batch, width]` token ids and attention mask, left-padded: the last
+    prompt tokens line up, so that each decoding step appends one column."""
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    attention = torch.zeros(batch, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention[row, width - len(prompt) :] = 1
+    return tokens, attention
+
+
+@dataclass
+class _Decoding:
+    """One batch's decoding so far. Per row and step: the token (0 after the row's end) and its
+    log-prob; per step, the weights' version and the rows that took part (a row that ends
+    leaves the batch, and the model's next input, mask and positions cover the rows going on)."""
+
+    generated: Tensor  # [batch, max_new_tokens]
+    logprobs: Tensor  # [batch, max_new_tokens]
+    lengths: Tensor  # [batch]
+    stopped: Tensor  # [batch] bool: ended on a stop token
+    active: Tensor  # [rows going on]: their batch rows
+    step_input: Tensor  # [rows, new tokens]: what the next model step reads
+    attention: Tensor  # [rows, columns so far]
+    positions: Tensor  # [rows, new tokens]
+    versions: list[int] = field(default_factory=list)
+    stepped: list[Tensor] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, tokens: Tensor, attention: Tensor, max_new_tokens: int) -> _Decoding:
+        batch = len(tokens)
+        return cls(
+            generated=torch.zeros(batch, max_new_tokens, dtype=torch.long),
+            logprobs=torch.zeros(batch, max_new_tokens),
+            lengths=torch.full((batch,), max_new_tokens),
+            stopped=torch.zeros(batch, dtype=torch.bool),
+            active=torch.arange(batch),
+            step_input=tokens,
+            attention=attention,
+            positions=(attention.cumsum(1) - 1).clamp(min=0),
+        )
+
+    def restart_from_prefix(self, tokens: Tensor, step: int) -> None:
+        """The next model step reads each going row's prompt and its `step` tokens so far
+        (into an empty cache)."""
+        self.step_input = torch.cat([tokens[self.active], self.generated[self.active, :step]], 1)
+        self.positions = (self.attention.cumsum(1) - 1).clamp(min=0)
+
+    def advance(
+        self,
+        step: int,
+        version: int,
+        logits: Tensor,
+        next_token: Tensor,
+        stop_ids: Tensor,
+        cache: DynamicCache,
+    ) -> bool:
+        """Record `step`'s tokens `[rows]` (sampled from `logits` `[rows, vocab]` by weight
+        `version`); rows that ended leave the batch and `cache`. True when none is left."""
+        active = self.active
+        self.versions.append(version)
+        self.stepped.append(active)
+        self.generated[active, step] = next_token
+        token_logp = torch.log_softmax(logits, -1).gather(1, next_token[:, None])[:, 0]
+        self.logprobs[active, step] = token_logp
+        ends = torch.isin(next_token, stop_ids)
+        self.lengths[active[ends]], self.stopped[active[ends]] = step + 1, True
+        if bool(ends.all()):
+            return True
+        if bool(ends.any()):
+            going_on = (~ends).nonzero()[:, 0]
+            cache.batch_select_indices(going_on)
+            self.active, next_token = active[going_on], next_token[going_on]
+            self.attention = self.attention[going_on]
+            self.positions = self.positions[going_on]
+        self.step_input = next_token[:, None]
+        self.positions = self.positions[:, -1:] + 1
+        ones = torch.ones(len(self.active), 1, dtype=torch.long)
+        self.attention = torch.cat([self.attention, ones], 1)
+        return False
 
 
 class LocalEngine:
@@ -219,28 +303,13 @@ class LocalEngine:
         generator: torch.Generator,
         return_routed_experts: bool,
     ) -> list[Sample]:
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        # Left padding lines the last prompt tokens up, so each step appends one column.
-        tokens = torch.zeros(batch, width, dtype=torch.long)
-        attention = torch.zeros(batch, width, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            tokens[row, width - len(prompt) :] = torch.tensor(prompt)
-            attention[row, width - len(prompt) :] = 1
+        tokens, attention = _left_padded(prompts)
+        decoding = _Decoding.start(tokens, attention, params.max_new_tokens)
         stop_ids = torch.tensor(params.stop_token_ids or (-1,))
         routing: list[Tensor] = []  # per router call, in call order: [tokens, topk]
         hooks = []
         if return_routed_experts:
             hooks = [r.register_forward_hook(self._record_into(routing)) for r in self._routers]
-        # Per row and step: the token (0 after the row's end) and its log-prob; per step, the
-        # weights' version and the rows that took part (a row that ends leaves the batch).
-        generated = torch.zeros(batch, params.max_new_tokens, dtype=torch.long)
-        logprobs = torch.zeros(batch, params.max_new_tokens)
-        versions: list[int] = []
-        stepped: list[Tensor] = []
-        lengths = torch.full((batch,), params.max_new_tokens)
-        stopped = torch.zeros(batch, dtype=torch.bool)
-        active = torch.arange(batch)
-        step_input, positions = tokens, (attention.cumsum(1) - 1).clamp(min=0)
         cache, cache_version = DynamicCache(config=self.model.config), self._version
         try:
             for step in range(params.max_new_tokens):
@@ -255,49 +324,32 @@ class LocalEngine:
                                 "weights (partial rollouts cannot record routing for R3)"
                             )
                         cache = DynamicCache(config=self.model.config)
-                        step_input = torch.cat([tokens[active], generated[active, :step]], 1)
-                        positions = (attention.cumsum(1) - 1).clamp(min=0)
                         cache_version = self._version
+                        decoding.restart_from_prefix(tokens, step)
                     output = self.model(
-                        input_ids=step_input,
-                        attention_mask=attention,
-                        position_ids=positions,
+                        input_ids=decoding.step_input,
+                        attention_mask=decoding.attention,
+                        position_ids=decoding.positions,
                         past_key_values=cache,
                         use_cache=True,
                         **self._extra_inputs,
                     )
-                versions.append(cache_version)
-                stepped.append(active)
                 logits = output.logits[:, -1].float()
                 next_token = self._sample(logits, params, generator)
-                generated[active, step] = next_token
-                logprobs[active, step] = torch.log_softmax(logits, -1).gather(
-                    1, next_token[:, None]
-                )[:, 0]
-                ends = torch.isin(next_token, stop_ids)
-                lengths[active[ends]], stopped[active[ends]] = step + 1, True
-                if bool(ends.all()):
+                if decoding.advance(step, cache_version, logits, next_token, stop_ids, cache):
                     break
-                if bool(ends.any()):  # the rows that ended leave the batch and its cache
-                    going_on = (~ends).nonzero()[:, 0]
-                    cache.batch_select_indices(going_on)
-                    active, next_token = active[going_on], next_token[going_on]
-                    attention, positions = attention[going_on], positions[going_on]
-                step_input = next_token[:, None]
-                positions = positions[:, -1:] + 1
-                attention = torch.cat([attention, torch.ones(len(active), 1, dtype=torch.long)], 1)
         finally:
             for hook in hooks:
                 hook.remove()
-        steps = len(versions)
+        steps = len(decoding.versions)
         return self._samples(
             prompts,
-            generated[:, :steps],
-            logprobs[:, :steps],
-            versions,
-            stepped,
-            lengths,
-            stopped,
+            decoding.generated[:, :steps],
+            decoding.logprobs[:, :steps],
+            decoding.versions,
+            decoding.stepped,
+            decoding.lengths,
+            decoding.stopped,
             routing,
         )
 

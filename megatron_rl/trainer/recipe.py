@@ -208,22 +208,20 @@ class AlgoConfig:
         defaults where unset); `max_response_len` is Dr. GRPO's constant normaliser."""
         default_low, default_high = get_policy_loss(self.loss).default_clip
         dr_grpo = self.loss_agg == "seq-mean-token-sum-norm"
-        return PolicyLossSpec(
-            name=self.loss,
+        return PolicyLossSpec.of(
+            self.loss,
             clip_low=default_low if self.clip_low is None else self.clip_low,
             clip_high=default_high if self.clip_high is None else self.clip_high,
-            options={
-                "loss_agg": self.loss_agg,
-                # Non-finite values must reach the loss, where the step is skipped and counted.
-                "check_finite": False,
-                "mismatch": self.correction(),
-                "entropy_coef": self.entropy_coef,
-                # In the reward instead, the loss has no KL term.
-                "kl_coef": 0.0 if self.kl_in_reward else self.kl_coef,
-                "kl_estimator": self.kl_estimator,
-            }
-            | self._dual_clip_option()
-            | ({"max_response_len": max_response_len} if dr_grpo else {}),
+            loss_agg=self.loss_agg,
+            # Non-finite values must reach the loss, where the step is skipped and counted.
+            check_finite=False,
+            mismatch=self.correction(),
+            entropy_coef=self.entropy_coef,
+            # In the reward instead, the loss has no KL term.
+            kl_coef=0.0 if self.kl_in_reward else self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            **self._dual_clip_option(),
+            **({"max_response_len": max_response_len} if dr_grpo else {}),
         )
 
 

@@ -5,14 +5,17 @@ KL in the reward they wait for the old policy's log-probs."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+from torch import Tensor
 
 from megatron_rl.algo import overlong_penalty, zero_variance_groups
 from megatron_rl.rewards import DataConfig, Problem, ProblemSource, Verifier
 from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.collect import Rollouts, collect_rollouts
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
+from megatron_rl.rollout.engine import RolloutEngine, Sample, SamplingParams
 from megatron_rl.trainer.batches import RolloutBatch, build_rollout_batch
 from megatron_rl.trainer.recipe import AlgoConfig
 
@@ -45,9 +48,7 @@ def rollout_step(
     train on) and the metrics: the first round's rollout metrics (the policy on the step's own
     problems) and what was kept."""
     rounds = rollout.max_generation_rounds if rollout.dynamic_sampling else 1
-    drop_equal = algo.drop_zero_variance_groups or rollout.dynamic_sampling
-    kept_samples, kept_rewards, trains, metrics = [], [], [], {}
-    generated = kept_groups = zero_variance = filtered = 0
+    kept, metrics = _KeptGroups(rollout.group_size), {}
     for round_index in range(rounds):
         round_problems = (
             problems.train_batch(step)
@@ -66,49 +67,81 @@ def rollout_step(
         )
         if round_index == 0:
             metrics = rollouts.metrics
-        equal = zero_variance_groups(rollouts.rewards, rollout.group_size)
-        generated += len(round_problems)
-        zero_variance += int(equal.sum())
-        for group in range(len(round_problems)):
-            if kept_groups == rollout.prompts_per_step and rollout.dynamic_sampling:
+        kept.add_round(
+            rollouts,
+            drop_equal=algo.drop_zero_variance_groups or rollout.dynamic_sampling,
+            overlong_filter=algo.overlong_filter,
+            room=rollout.prompts_per_step if rollout.dynamic_sampling else None,
+        )
+        if kept.groups >= rollout.prompts_per_step:
+            break
+    metrics |= kept.metrics(rollout)
+    if not any(kept.trains):
+        return None, metrics
+    batch = build_rollout_batch(
+        kept.samples,
+        torch.stack(kept.rewards),
+        group_size=rollout.group_size,
+        pad_id=codec.tokenizer.pad_token_id or 0,
+        newline_token_ids=codec.newline_token_ids,
+        trains=kept.trains,
+    )
+    return batch, metrics
+
+
+@dataclass
+class _KeptGroups:
+    """The groups a step keeps, round after round of generation, and what it left out."""
+
+    group_size: int
+    samples: list[Sample] = field(default_factory=list)
+    rewards: list[Tensor] = field(default_factory=list)
+    trains: list[bool] = field(default_factory=list)  # False: the response was filtered
+    groups: int = 0
+    rounds: int = 0
+    generated: int = 0  # groups generated
+    zero_variance: int = 0  # of them, groups whose rewards are all equal
+    filtered: int = 0  # samples DAPO's overlong filter took out of the loss
+
+    def add_round(
+        self, rollouts: Rollouts, *, drop_equal: bool, overlong_filter: bool, room: int | None
+    ) -> None:
+        """Keep the groups of one round: not those whose rewards are all equal with
+        `drop_equal`, and up to `room` groups in all when given (dynamic sampling)."""
+        equal = zero_variance_groups(rollouts.rewards, self.group_size)
+        self.rounds += 1
+        self.generated += len(equal)
+        self.zero_variance += int(equal.sum())
+        for group in range(len(equal)):
+            if room is not None and self.groups == room:
                 break
             if drop_equal and bool(equal[group]):
                 continue
-            kept_groups += 1
-            for row in range(group * rollout.group_size, (group + 1) * rollout.group_size):
+            self.groups += 1
+            for row in range(group * self.group_size, (group + 1) * self.group_size):
                 sample = rollouts.samples[row]
                 # DAPO's overlong filter: a truncated response carries no loss (its row and its
                 # reward stay: the group's advantages count it).
-                overlong = algo.overlong_filter and sample.finish_reason == "length"
-                filtered += overlong
-                kept_samples.append(sample)
-                kept_rewards.append(rollouts.rewards[row])
-                trains.append(not overlong)
-        if kept_groups >= rollout.prompts_per_step:
-            break
-    metrics |= {
-        "groups/zero_variance": float(zero_variance),
-        "groups/zero_variance_frac": zero_variance / generated,
-        "samples/overlong_filtered": float(filtered),
-    }
-    if rollout.dynamic_sampling:
-        metrics |= {
-            "dynamic/groups_generated": float(generated),
-            "dynamic/groups_kept": float(kept_groups),
-            "dynamic/rounds": float(round_index + 1),
-            "dynamic/short": float(kept_groups < rollout.prompts_per_step),
+                overlong = overlong_filter and sample.finish_reason == "length"
+                self.filtered += overlong
+                self.samples.append(sample)
+                self.rewards.append(rollouts.rewards[row])
+                self.trains.append(not overlong)
+
+    def metrics(self, rollout: RolloutConfig) -> dict[str, float]:
+        metrics = {
+            "groups/zero_variance": float(self.zero_variance),
+            "groups/zero_variance_frac": self.zero_variance / self.generated,
+            "samples/overlong_filtered": float(self.filtered),
         }
-    if not any(trains):
-        return None, metrics
-    batch = build_rollout_batch(
-        kept_samples,
-        pad_id=codec.tokenizer.pad_token_id or 0,
-        newline_token_ids=codec.newline_token_ids,
-        rewards=torch.stack(kept_rewards),
-        trains=trains,
-        group_size=rollout.group_size,
-    )
-    return batch, metrics
+        if rollout.dynamic_sampling:
+            metrics |= {
+                "dynamic/groups_generated": float(self.generated),
+                "dynamic/groups_kept": float(self.groups),
+                "dynamic/rounds": float(self.rounds),
+                "dynamic/short": float(self.groups < rollout.prompts_per_step),
+            }
+        return metrics
 
 
 def _scored_rollouts(

@@ -23,10 +23,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
 from megatron_rl.algo import (
-    DEFAULT_LOSS_AGG,
     PolicyLossSpec,
-    compute_policy_loss,
     engine_gap_metrics,
+    policy_loss,
     policy_loss_denominator,
 )
 from megatron_rl.moe.replay import RoutingReplay
@@ -56,22 +55,18 @@ def policy_loss_func(
         return zero, torch.zeros((), dtype=torch.int), {"loss/sum": zero.detach()}
     if micro_batch.advantages is None:
         raise ValueError("advantages: the micro-batch has none (the learner attaches them)")
-    options = {key: value for key, value in spec.options.items() if key != "loss_denominator"}
-    loss_sum, metrics = compute_policy_loss(
-        spec.name,
+    loss_sum, metrics = policy_loss(
+        spec,
         rows.logp,
         rows.old_logp,
         micro_batch.advantages,
         rows.loss_mask,
-        clip_low=spec.clip_low,
-        clip_high=spec.clip_high,
         segment_ids=rows.segment_ids,
         old_entropy=rows.old_entropy,
         engine_logp=rows.engine_logp,
         entropy=rows.entropy,
         ref_logp=rows.ref_logp,
         loss_denominator=1,
-        **options,
     )
     entropy_sum = torch.where(micro_batch.loss_mask, token.entropy.detach(), 0.0).sum()
     metrics = metrics | {"loss/sum": loss_sum.detach(), "entropy/sum": entropy_sum}
@@ -84,9 +79,7 @@ def policy_loss_func(
 
 def _denominator(loss_mask: Tensor, spec: PolicyLossSpec) -> Tensor:
     return policy_loss_denominator(
-        loss_mask,
-        loss_agg=spec.options.get("loss_agg", DEFAULT_LOSS_AGG),
-        max_response_len=spec.options.get("max_response_len"),
+        loss_mask, loss_agg=spec.options.loss_agg, max_response_len=spec.options.max_response_len
     )
 
 

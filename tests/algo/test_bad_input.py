@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.algo import compute_policy_loss, policy_loss_denominator
+from megatron_rl.algo import (
+    LossOptions,
+    PolicyLossSpec,
+    compute_policy_loss,
+    policy_loss,
+    policy_loss_denominator,
+)
+from tests.algo.batches import random_batch
 
 B, T = 3, 5
 
@@ -149,3 +156,31 @@ def test_denominator_helper_rejects_bad_mask():
         float(policy_loss_denominator(torch.ones(B, T, dtype=torch.bool), loss_agg="token-mean"))
         == B * T
     )
+
+
+def test_a_spec_is_checked_once_and_carries_typed_options():
+    spec = PolicyLossSpec.of("sspo", clip_low=0.1, clip_high=0.1, sspo_lower="fixed")
+    assert isinstance(spec.options, LossOptions)
+    assert spec.options.sspo_lower == "fixed" and spec.options.dual_clip == 3.0
+    with pytest.raises(ValueError, match=r"unknown option\(s\) sspo_lower for policy loss 'gspo'"):
+        PolicyLossSpec.of("gspo", clip_low=0.1, clip_high=0.1, sspo_lower="fixed")
+    with pytest.raises(ValueError, match="kl_estimator: unknown"):
+        PolicyLossSpec.of("gspo", clip_low=0.1, clip_high=0.1, kl_estimator="k9")
+    with pytest.raises(TypeError):  # no spec without its checked options
+        PolicyLossSpec("gspo", 0.1, 0.1)  # type: ignore[call-arg]
+    batch = random_batch(4, 6, seed=1)
+    from_spec, _ = policy_loss(
+        spec, batch.logp, batch.old_logp, batch.advantages, batch.mask, **batch.kwargs()
+    )
+    in_one_call, _ = compute_policy_loss(
+        "sspo",
+        batch.logp,
+        batch.old_logp,
+        batch.advantages,
+        batch.mask,
+        clip_low=0.1,
+        clip_high=0.1,
+        sspo_lower="fixed",
+        **batch.kwargs(),
+    )
+    assert torch.equal(from_spec, in_one_call)

@@ -40,7 +40,9 @@ def bf16_step(launch: LaunchEnv) -> dict:
     )
     optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
     before = {n: p.detach().clone() for n, p in model.module.named_parameters()}
-    step = policy_forward_backward(model, [_batch()], PolicyLossSpec("gspo", 3e-4, 4e-4))
+    step = policy_forward_backward(
+        model, [_batch()], PolicyLossSpec.of("gspo", clip_low=3e-4, clip_high=4e-4)
+    )
     updated, grad_norm, _ = optimizer.step()
     changed = sum(not torch.equal(p, before[n]) for n, p in model.module.named_parameters())
     return {

@@ -28,7 +28,7 @@ def build_and_step(launch: LaunchEnv, config: MoEModelConfig) -> dict:
     mask = torch.zeros(2, 12, dtype=torch.bool)
     mask[:, 4:11] = True
     batch = PolicyMicroBatch(tokens, mask, torch.full((2, 12), -5.0), torch.tensor([1.0, -1.0]))
-    spec = PolicyLossSpec("gspo", 3e-4, 4e-4)
+    spec = PolicyLossSpec.of("gspo", clip_low=3e-4, clip_high=4e-4)
     before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     ddp.zero_grad_buffer()
     optimizer.zero_grad()

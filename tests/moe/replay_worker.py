@@ -19,7 +19,7 @@ from megatron_rl.trainer.optimizer import wrap_for_training
 from megatron_rl.trainer.schedule import old_policy_pass, policy_forward_backward
 from tests.parallel.invariance import TINY_MOE, micro_batches
 
-GRPO = PolicyLossSpec("grpo", 0.2, 0.27)
+GRPO = PolicyLossSpec.of("grpo", clip_low=0.2, clip_high=0.27)
 # DeepSeek-V3's shape: MLA, a dense first layer, then MoE layers whose sigmoid router adds a
 # score-correction bias to choose among the experts of its best group, scales the weights and
 # has a shared expert beside it. Four layers: under PP=2 the first stage holds the dense layer

@@ -46,28 +46,27 @@ TINY_MOE = MoEModelConfig(
     shared_expert_ffn_hidden_size=32,  # an always-on shared expert, as in Qwen2-MoE or DeepSeek
 )
 LOSSES = {
-    "gspo": PolicyLossSpec("gspo", 3e-2, 4e-2),
-    "grpo": PolicyLossSpec("grpo", 0.2, 0.27),
-    "sspo": PolicyLossSpec("sspo", 0.1, 0.1),
+    "gspo": PolicyLossSpec.of("gspo", clip_low=3e-2, clip_high=4e-2),
+    "grpo": PolicyLossSpec.of("grpo", clip_low=0.2, clip_high=0.27),
+    "sspo": PolicyLossSpec.of("sspo", clip_low=0.1, clip_high=0.1),
 }
 # The terms around the surrogate: mismatch corrections (bands narrow enough to mask or truncate
 # some tokens of micro_batches' engine log-probs), the entropy bonus, dual-clip, a KL penalty.
 CORRECTED_LOSSES = {
-    "grpo_icepop_entropy": PolicyLossSpec(
+    "grpo_icepop_entropy": PolicyLossSpec.of(
         "grpo",
-        0.2,
-        0.27,
-        {"mismatch": MismatchCorrection.of("icepop", lower=0.8, upper=1.25), "entropy_coef": 0.01},
+        clip_low=0.2,
+        clip_high=0.27,
+        mismatch=MismatchCorrection.of("icepop", lower=0.8, upper=1.25),
+        entropy_coef=0.01,
     ),
-    "gspo_tis_sequence": PolicyLossSpec(
+    "gspo_tis_sequence": PolicyLossSpec.of(
         "gspo",
-        3e-2,
-        4e-2,
-        {
-            "mismatch": MismatchCorrection.of("tis", level="sequence", upper=1.2),
-            "dual_clip": 3.0,
-            "kl_coef": 0.1,
-        },
+        clip_low=3e-2,
+        clip_high=4e-2,
+        mismatch=MismatchCorrection.of("tis", level="sequence", upper=1.2),
+        dual_clip=3.0,
+        kl_coef=0.1,
     ),
 }
 LAYOUTS = {

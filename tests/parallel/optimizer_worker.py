@@ -18,7 +18,7 @@ from megatron_rl.trainer.schedule import policy_forward_backward
 from tests.parallel.invariance import TINY_MOE, micro_batches
 
 STEPS = 3
-SPEC = PolicyLossSpec("gspo", 3e-2, 4e-2)
+SPEC = PolicyLossSpec.of("gspo", clip_low=3e-2, clip_high=4e-2)
 
 
 def main_weights(optimizer: MegatronOptimizer) -> list[torch.Tensor]:

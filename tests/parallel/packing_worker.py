@@ -34,12 +34,12 @@ def _compare(rank: int, tp: int, loss: str, loss_agg: str) -> dict:
     entropy = [torch.rand(n, generator=gen, dtype=torch.float64) for n in lengths]
     advantages = torch.randn(len(lengths), generator=gen, dtype=torch.float64)
     shard = slice(rank * VOCAB // tp, (rank + 1) * VOCAB // tp)
-    spec = PolicyLossSpec(
+    spec = PolicyLossSpec.of(
         loss,
-        0.05,
-        0.05,
-        {"loss_agg": loss_agg}
-        | ({"max_response_len": width} if loss_agg == "seq-mean-token-sum-norm" else {}),
+        clip_low=0.05,
+        clip_high=0.05,
+        loss_agg=loss_agg,
+        **({"max_response_len": width} if loss_agg == "seq-mean-token-sum-norm" else {}),
     )
 
     def response_mask(n: int) -> torch.Tensor:

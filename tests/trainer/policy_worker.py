@@ -107,7 +107,9 @@ def _one_update(policy: Policy, batch) -> float:
         replace(micro, old_logp=old.logp if old.logp is not None else micro.old_logp)
         for micro, old in zip(share, computed, strict=True)
     ]
-    return policy.update(share, PolicyLossSpec("grpo", 0.2, 0.2), mode).grad_norm
+    return policy.update(
+        share, PolicyLossSpec.of("grpo", clip_low=0.2, clip_high=0.2), mode
+    ).grad_norm
 
 
 def probe_check(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
@@ -201,7 +203,7 @@ def old_policy_is_current(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]
     batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
     share = _share(with_forward, batch, micro_batch_size=2)
     mode, correction = RoutingReplayMode.NONE, MismatchCorrection.of("tis")
-    spec = PolicyLossSpec("gspo", 3e-4, 4e-4, options={"mismatch": correction})
+    spec = PolicyLossSpec.of("gspo", clip_low=3e-4, clip_high=4e-4, mismatch=correction)
     start = [weight.detach().clone() for weight in main_weights(without.optimizer)]
     computed = with_forward.old_policy(share, mode)
     forward = with_forward.update(
@@ -247,7 +249,7 @@ def update_steps_once(launch: LaunchEnv, hf_dir: str) -> dict:
     engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
     batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
     share = _share(ours, batch, micro_batch_size=4)
-    spec, mode = PolicyLossSpec("grpo", 0.2, 0.2), RoutingReplayMode.NONE
+    spec, mode = PolicyLossSpec.of("grpo", clip_low=0.2, clip_high=0.2), RoutingReplayMode.NONE
     start = [weight.detach().clone() for weight in main_weights(ours.optimizer)]
     prepared = []
     prepare_grads = ours.optimizer.prepare_grads
@@ -285,7 +287,7 @@ def non_finite_updates(launch: LaunchEnv, hf_dir: str) -> dict:
     batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
     share = _share(policy, batch, micro_batch_size=2)
     # as the trainer's: non-finite values reach the loss instead of stopping it
-    spec = PolicyLossSpec("grpo", 0.2, 0.2, options={"check_finite": False})
+    spec = PolicyLossSpec.of("grpo", clip_low=0.2, clip_high=0.2, check_finite=False)
     mode = RoutingReplayMode.NONE
     start = [weight.detach().clone() for weight in main_weights(policy.optimizer)]
     poisoned = [replace(share[0], old_logp=share[0].old_logp * math.nan), *share[1:]]
