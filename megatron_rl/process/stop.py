@@ -34,6 +34,17 @@ from megatron_rl.process import children
 STOP_DEADLINE_S = 30.0
 NUDGE_S = 3.0
 IMMEDIATE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The signals that may ask for a stop after the step (checkpoint.save_on_signals): those that
+# schedulers and clusters send to mean "stop" (SLURM's --signal, a preemption's SIGTERM, a
+# CPU-time limit's SIGXCPU, a lost terminal's SIGHUP, SIGQUIT).
+GRACEFUL_CANDIDATES = (
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGXCPU,
+)
 # What an immediate stop raises (SystemExit from these handlers, KeyboardInterrupt from Python's).
 STOPS = (SystemExit, KeyboardInterrupt)
 
