@@ -74,7 +74,9 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         "algo.loss=grpo rollout.group_size=8 (docs/training.md lists every field).",
     )
     parser.add_argument("recipe", help="YAML recipe, e.g. examples/moe/tiny_gspo.yaml")
-    parser.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides")
+    parser.add_argument(
+        "overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides (also after options)"
+    )
     parser.add_argument(
         "--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest if any"
     )
@@ -252,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
     # Before the subcommand imports megatron-core, which warns at import.
     args.known_warnings = WarningRouter(verbose=getattr(args, "verbose", False))
     args.known_warnings.install()
@@ -266,6 +268,20 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, SGLangError) as error:  # the machine: a disk, a server
         print(f"megatron-rl: error: {_one_line(error)}", file=sys.stderr)
         return 1
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The command line; KEY=VALUE overrides written after an option (`train R --resume
+    a.b=c`) are overrides too (argparse ends a list of positionals at the first option)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        takes_overrides = isinstance(getattr(args, "overrides", None), list)
+        if takes_overrides and all("=" in item and not item.startswith("-") for item in unknown):
+            args.overrides = [*args.overrides, *unknown]  # not the shared default list
+        else:
+            hint = " (overrides are dotted KEY=VALUE)" if takes_overrides else ""
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
 
 
 def _one_line(error: Exception) -> str:

@@ -47,3 +47,15 @@ def test_console_script_is_installed():
     )
     assert result.returncode == 0, result.stderr
     assert "| gspo | sequence |" in result.stdout
+
+
+def test_overrides_after_an_option_are_taken(capsys):
+    recipe = str(Path(__file__).resolve().parents[2] / "examples" / "moe" / "tiny_gspo.yaml")
+    # run.steps=0 is refused when the recipe is checked: the override after --resume was read
+    assert main(["train", recipe, "--resume", "run.steps=0"]) == 2
+    assert "run.steps: expected > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", recipe, "--resume", "steps"])
+    assert "unrecognized arguments: steps (overrides are dotted KEY=VALUE)" in (
+        capsys.readouterr().err
+    )
