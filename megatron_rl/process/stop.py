@@ -9,7 +9,10 @@ a checkpoint being written). Three things keep that bounded and honest:
 - Python only prints an exception raised inside a finalizer or a fork hook and goes on, so the
   request is also kept: a watchdog thread sends the signal again every NUDGE_S seconds (ignored
   while the exit unwinds), `raise_if_stopping()` raises it again, and the command's exit status
-  is 128 + signum whatever happened (`exit_code`);
+  is 128 + signum whatever happened (`exit_code`). A signal that lands in a fork's hooks does
+  not raise there: the watchdog sends it again as soon as the fork has returned. A child forked
+  from here that is signalled before its own handlers are set treats the signal as a forked
+  child does (`children`): an immediate one ends it, a graceful one is left to the parent;
 - the watchdog ends the process `deadline_s` after the signal if unwinding has not: it kills the
   processes this one started (`children.kill_all`) and calls `os._exit`.
 
@@ -80,6 +83,8 @@ class StopSignals:
         self.immediate = False
         self._previous: dict[int, object] = {}
         self._left_block = threading.Event()  # no more nudges: the handlers are gone
+        self._nudge_now = threading.Event()  # a fork held the exit back and has returned
+        self._pid = os.getpid()  # a forked child runs these handlers until it resets them
 
     def __enter__(self) -> StopSignals:
         for signum in {*IMMEDIATE_SIGNALS, *self.graceful}:
@@ -110,6 +115,9 @@ class StopSignals:
             raise SystemExit(self.exit_code)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:
+            _in_forked_child(signum, graceful=signum in self.graceful)
+            return
         if self.signum is None and signum in self.graceful:
             self.signum = signum
             _say(f"{signal.Signals(signum).name}: the run stops after this step's checkpoint")
@@ -121,24 +129,40 @@ class StopSignals:
             self.signum, self.immediate = signum, True
             self._start_watchdog()
             _say(f"{signal.Signals(signum).name}: stopping within {self.deadline_s:g} s")
+        if children.in_fork():  # raised in a fork hook, the exit would be printed and dropped
+            children.after_this_fork(self._nudge_now.set)
+            return
         _exit_now_or_after_section(self.exit_code)
 
     def _start_watchdog(self) -> None:
-        """Until the deadline, the signal again every NUDGE_S (an exit that Python swallowed is
-        raised anew; one that is unwinding ignores it); then kill what is left and exit."""
+        """Until the deadline, the signal again every NUDGE_S, and as soon as a fork that held
+        it back has returned (an exit that Python swallowed or that waited is raised anew; one
+        that is unwinding ignores it); then kill what is left and exit."""
         signum, main = self.signum, threading.main_thread().ident
         deadline = time.monotonic() + self.deadline_s
 
         def watch() -> None:
             while (left := deadline - time.monotonic()) > 0:
-                time.sleep(min(NUDGE_S, left))
-                if left > NUDGE_S and not self._left_block.is_set():
+                self._nudge_now.wait(min(NUDGE_S, left))
+                self._nudge_now.clear()
+                while children.in_fork() and time.monotonic() < deadline:
+                    time.sleep(0.005)  # the fork's last hooks
+                if time.monotonic() < deadline and not self._left_block.is_set():
                     signal.pthread_kill(main, signum)
             _say(f"not stopped {self.deadline_s:g} s after the signal; killing what is left")
             children.kill_all()
             os._exit(128 + signum)
 
         threading.Thread(target=watch, name="stop-watchdog", daemon=True).start()
+
+
+def _in_forked_child(signum: int, *, graceful: bool) -> None:
+    """A child forked while these handlers were set, before it set its own: a graceful signal
+    is the parent's to handle; an immediate one takes its default action (ends the child)."""
+    if graceful:
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _unwinding() -> bool:

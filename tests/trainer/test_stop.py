@@ -83,7 +83,7 @@ NONE, SAVED, PUBLISHED = [], ["latest", "step_000001"], ["step_000001"]
     [
         ("writer", "SIGTERM", [NONE]),
         # the main process may only notice once the writer is done (a signal that arrives in
-        # a fork hook is lost, and sent again by the watchdog after a few seconds)
+        # a fork hook waits for the fork's end)
         ("waiting", "SIGTERM", [NONE, SAVED]),
         ("publish", "SIGTERM", [NONE]),
         ("latest", "SIGTERM", [PUBLISHED]),
