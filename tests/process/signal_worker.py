@@ -29,9 +29,7 @@ def main(moment: str, signum: int) -> None:
         print(f"signalled at {time.time():.3f}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signum)
 
-    hook = {"before-fork": "before", "after-fork": "after_in_parent"}.get(
-        moment, "after_in_child"
-    )
+    hook = {"before-fork": "before", "after-fork": "after_in_parent"}.get(moment, "after_in_child")
     os.register_at_fork(**{hook: signal_self})
     with StopSignals(graceful=[signal.SIGUSR1]):
         child = os.fork()
