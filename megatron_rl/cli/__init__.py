@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,16 +12,18 @@ from typing import TYPE_CHECKING
 
 # Subcommands import what they use when they run: importing megatron-core, transformers and
 # wandb takes seconds, and megatron-core's checkpoint writer starts a helper process that imports
-# this (the main) module again.
+# this (the main) module again. What is imported here is light (the standard library and these
+# modules): `main` acts on signals and on its launcher before anything heavier is imported.
 from megatron_rl.cli.arguments import fraction, positive_int
-from megatron_rl.cli.bench import add_bench
-from megatron_rl.cli.known_warnings import WarningRouter
-from megatron_rl.cli.launch import add_launch, add_plan
-from megatron_rl.parallel.dims import ParallelDims
-from megatron_rl.process.stop import StopSignals
+from megatron_rl.process.children import end_with_parent
+from megatron_rl.process.stop import StopSignals, keep_early_signals
 
 if TYPE_CHECKING:
+    from megatron_rl.parallel.dims import ParallelDims
     from megatron_rl.parallel.distributed import LaunchEnv
+
+# torchrun sets it in its workers' environment (torch.distributed.elastic).
+TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -131,6 +134,7 @@ def _add_losses(commands: argparse._SubParsersAction) -> None:
 
 
 def _layout(args: argparse.Namespace) -> tuple[LaunchEnv, ParallelDims]:
+    from megatron_rl.parallel.dims import ParallelDims
     from megatron_rl.parallel.distributed import LaunchEnv
 
     launch = LaunchEnv.from_environ()
@@ -246,6 +250,9 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_rl.cli.bench import add_bench
+    from megatron_rl.cli.launch import add_launch, add_plan
+
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_losses, add_bench, _add_convert, add_launch, add_plan):
@@ -254,8 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First: a graceful signal that the launcher left to this rank is kept from now on, and a
+    # rank of torchrun ends when torchrun does, however it ends (docs/slurm.md).
+    keep_early_signals()
+    if TORCHRUN_WORKER in os.environ:
+        end_with_parent()
     args = _parse(build_parser(), argv)
     # Before the subcommand imports megatron-core, which warns at import.
+    from megatron_rl.cli.known_warnings import WarningRouter
+
     args.known_warnings = WarningRouter(verbose=getattr(args, "verbose", False))
     args.known_warnings.install()
     from megatron_rl.rollout.sglang.http import SGLangError

@@ -1,4 +1,5 @@
-"""No process a run starts outlives it, whatever ends the run.
+"""No process a run starts outlives it, whatever ends the run; nor does a rank outlive the
+launcher that started it (`end_with_parent`).
 
 megatron-core's checkpoint writer forks one process per write bucket. A process forked from here
 on (after `forks_die_with_this_process`) is killed by the kernel when its parent dies, even by
@@ -24,9 +25,12 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterable
 
 _PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 0.5
 _IMMEDIATE = (signal.SIGTERM, signal.SIGINT)
 
 _ignored_in_children: frozenset[int] = frozenset()
@@ -87,6 +91,27 @@ def die_with_parent(parent_pid: int) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def end_with_parent() -> None:
+    """SIGKILL this process and what it forked when its parent dies, however the parent dies
+    (for a rank: torchrun killed with -9). Two watches: the kernel's parent-death signal
+    (Linux only; it follows the parent's thread that started this process, and torchrun starts
+    its workers from its main thread), and a thread that polls the parent's pid every
+    PARENT_POLL_S (anywhere). Nothing half-written stays visible: a checkpoint is published by
+    a rename, and an interrupted one is cleared on resume."""
+    parent = os.getppid()
+    die_with_parent(parent)
+    threading.Thread(
+        target=_exit_when_orphaned, args=(parent,), name="parent-watch", daemon=True
+    ).start()
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    kill_all()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _remember_parent() -> None:

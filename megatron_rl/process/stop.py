@@ -19,6 +19,12 @@ a checkpoint being written). Three things keep that bounded and honest:
 A *graceful* signal (the recipe's `checkpoint.save_on_signals`, for SLURM's `--signal`) only
 asks: the trainer finishes its step, saves a checkpoint and stops (`graceful_requested`). A
 second signal, of any kind, is immediate.
+
+A launcher that leaves the graceful signals to its ranks starts them ignoring those signals
+(launch/node.py), and the recipe that names them is read seconds later. So the command's first
+act (`keep_early_signals`) is to record, instead of ignoring, the graceful candidates it was
+started ignoring; `StopSignals` then takes over what came: a graceful one of its own is a stop
+after the step, the others stay ignored.
 """
 
 from __future__ import annotations
@@ -51,6 +57,11 @@ GRACEFUL_CANDIDATES = (
 # What an immediate stop raises (SystemExit from these handlers, KeyboardInterrupt from Python's).
 STOPS = (SystemExit, KeyboardInterrupt)
 
+# The graceful candidates this process was started ignoring, and those of them that came
+# before StopSignals (keep_early_signals), in order.
+_ignored_at_start: set[int] = set()
+_came_early: list[int] = []
+
 # Signals are delivered to the main thread, between two of its bytecodes; these say whether it
 # is inside an `uninterrupted()` section and which exit waits for the section's end.
 _open_sections = 0
@@ -66,6 +77,20 @@ def signal_number(name: str) -> int:
     except KeyError:
         valid = ", ".join(sorted(member.name for member in signal.Signals))
         raise ValueError(f"unknown signal {name!r}; valid: {valid}") from None
+
+
+def keep_early_signals() -> None:
+    """Record the graceful candidates that this process was started ignoring (its launcher
+    leaves them to it) until `StopSignals` decides what they mean. Call it first thing: a
+    signal in between is lost. A process that never enters `StopSignals` ignores them still."""
+    for signum in GRACEFUL_CANDIDATES:
+        if signum not in _ignored_at_start and signal.getsignal(signum) is signal.SIG_IGN:
+            _ignored_at_start.add(signum)
+            signal.signal(signum, _record_early)
+
+
+def _record_early(signum: int, frame: FrameType | None) -> None:
+    _came_early.append(signum)
 
 
 class StopSignals:
@@ -90,7 +115,25 @@ class StopSignals:
         for signum in {*IMMEDIATE_SIGNALS, *self.graceful}:
             self._previous[signum] = signal.signal(signum, self._handle)
         children.leave_signals_to_parent(ignored=self.graceful)
+        self._take_early_signals()
         return self
+
+    def _take_early_signals(self) -> None:
+        """What `keep_early_signals` recorded (its handlers replaced first, so that nothing
+        falls between): a graceful signal of these is asked now; the rest were ignored, and
+        are ignored again."""
+        for signum in _ignored_at_start:
+            if signum in self._previous:
+                self._previous[signum] = signal.SIG_IGN  # restored on leaving, as it was
+            else:
+                signal.signal(signum, signal.SIG_IGN)
+        came = [signum for signum in _came_early if signum in self.graceful]
+        _ignored_at_start.clear()
+        _came_early.clear()
+        if came and self.signum is None:
+            self.signum = came[0]
+            name = signal.Signals(self.signum).name
+            _say(f"{name} (it came while the command started): the run stops after its next step")
 
     def __exit__(self, *exc_info: object) -> None:
         self._left_block.set()

@@ -1,10 +1,18 @@
 """The pieces of a SLURM job's tasks that the real job (test_slurm_job.py) cannot vary: a trainer
-node's rank and torchrun arguments, which exit statuses are a graceful stop, and the command of a
-rollout node's server."""
+node's rank and torchrun arguments, which exit statuses are a graceful stop, the command of a
+rollout node's server; and a trainer node's task run for real, signalled as its ranks start."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +21,14 @@ from megatron_rl.config import load_config
 from megatron_rl.launch.node import node_rank, stop_status, torchrun_argv
 from megatron_rl.launch.rollout_server import serve_argv
 from megatron_rl.trainer.recipe import Recipe
-from tests.trainer.run_cli import RECIPE
+from tests.processes import caught_signals, descendants, free_port
+from tests.trainer.run_cli import (
+    RECIPE,
+    REPO,
+    RESUMED_RUN,
+    train_command,
+    train_environment,
+)
 
 USR1 = [signal.SIGUSR1]
 
@@ -79,3 +94,73 @@ def test_a_rollout_node_server_listens_everywhere_on_its_own_port():
     assert argv[argv.index("--model-path") + 1] == recipe.model.hf_path
     assert "--enable-return-routed-experts" in argv
     assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+
+
+def test_a_graceful_signal_right_after_the_ranks_start_stops_the_run_after_its_first_step(
+    tmp_path,
+):
+    """A trainer node's task (torchrun for 2 ranks) as the batch script runs it, without SLURM:
+    SIGUSR1 to the task and its ranks (SLURM signals every process of a job step) 0.5 s after
+    the ranks start, long before the recipe that names SIGUSR1 is read. The ranks keep it,
+    stop after step 1 with its checkpoint, and the task exits 138 (the script requeues)."""
+    host = socket.gethostname()
+    train = train_command(tmp_path, RESUMED_RUN, 1, False)[3:]  # after `python -m MODULE`
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_rl.launch.node",
+        f"--nodes={host}",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "--graceful",
+        "SIGUSR1",
+        "--",
+        *train,
+    ]
+    with tempfile.TemporaryFile("w+") as stderr:
+        task = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=train_environment({"SLURMD_NODENAME": host}),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+        try:
+            ranks = _started_ranks(task.pid)
+            time.sleep(0.5)
+            # the ranks' own code runs by now: they catch SIGUSR1 (they were started ignoring it)
+            deadline = time.monotonic() + 5
+            while not all(signal.SIGUSR1 in caught_signals(rank) for rank in ranks):
+                assert time.monotonic() < deadline, "the ranks still ignore SIGUSR1"
+                time.sleep(0.05)
+            for pid in (task.pid, *ranks):
+                os.kill(pid, signal.SIGUSR1)
+            code = task.wait(timeout=300)
+        finally:
+            for pid in descendants(task.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            task.kill()
+            task.wait()
+        stderr.seek(0)
+        log = stderr.read()
+    assert code == 128 + signal.SIGUSR1, log[-3000:]
+    assert "SIGUSR1 (it came while the command started)" in log, log[-3000:]
+    assert "stopped after step 1" in log and "the ranks stopped on SIGUSR1" in log, log[-3000:]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000001"
+
+
+def _started_ranks(task: int) -> list[int]:
+    """The 2 ranks of the node's torchrun, once both run `megatron_rl.cli`."""
+    deadline = time.monotonic() + 60
+    while True:
+        ranks = []
+        for pid in descendants(task):
+            with contextlib.suppress(OSError):
+                if b"megatron_rl.cli" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    ranks.append(pid)
+        if len(ranks) == 2:
+            return ranks
+        assert time.monotonic() < deadline, "torchrun did not start its ranks"
+        time.sleep(0.02)

@@ -54,3 +54,33 @@ def test_a_graceful_signal_in_the_childs_fork_hook_is_left_to_the_parent():
     assert "Exception ignored" not in result.stderr, result.stderr
     assert "the run stops" not in result.stderr, result.stderr  # the child does not take it
     assert "child exit 0" in result.stdout, (result.stdout, result.stderr)
+
+
+# Started ignoring SIGUSR1 (as launch/node.py starts its ranks), signalled before StopSignals.
+EARLY = """
+import os, signal, sys, time
+from megatron_rl.process.stop import StopSignals, keep_early_signals
+keep_early_signals()
+os.kill(os.getpid(), signal.SIGUSR1)
+time.sleep(0.2)
+with StopSignals(graceful=[signal.Signals[name] for name in sys.argv[1:]]) as stop:
+    print("asked", stop.graceful_requested, stop.signum, flush=True)
+os.kill(os.getpid(), signal.SIGUSR1)  # ignored again, as the process was started
+time.sleep(0.2)
+print("alive", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("graceful", "asked"), [(["SIGUSR1"], True), ([], False)])
+def test_a_signal_ignored_at_start_and_sent_early_is_kept_for_stop_signals(graceful, asked):
+    result = subprocess.run(
+        [sys.executable, "-c", EARLY, *graceful],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN),
+    )
+    assert result.returncode == 0, result.stderr
+    signum = int(signal.SIGUSR1) if asked else None
+    assert result.stdout.split("\n")[:2] == [f"asked {asked} {signum}", "alive"], result
