@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 # modules): `main` acts on signals and on its launcher before anything heavier is imported.
 from megatron_rl.cli.arguments import fraction, positive_int
 from megatron_rl.process.children import end_with_parent
-from megatron_rl.process.stop import StopSignals, keep_early_signals
+from megatron_rl.process.stop import StopSignals, keep_early_signals, release_early_signals
 
 if TYPE_CHECKING:
     from megatron_rl.parallel.dims import ParallelDims
@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     if TORCHRUN_WORKER in os.environ:
         end_with_parent()
     args = _parse(build_parser(), argv)
+    if args.handler is not _train:  # the one command with a graceful stop
+        release_early_signals()
     # Before the subcommand imports megatron-core, which warns at import.
     from megatron_rl.cli.known_warnings import WarningRouter
 

@@ -82,11 +82,21 @@ def signal_number(name: str) -> int:
 def keep_early_signals() -> None:
     """Record the graceful candidates that this process was started ignoring (its launcher
     leaves them to it) until `StopSignals` decides what they mean. Call it first thing: a
-    signal in between is lost. A process that never enters `StopSignals` ignores them still."""
+    signal in between is lost. A command without a graceful stop calls
+    `release_early_signals`."""
     for signum in GRACEFUL_CANDIDATES:
         if signum not in _ignored_at_start and signal.getsignal(signum) is signal.SIG_IGN:
             _ignored_at_start.add(signum)
             signal.signal(signum, _record_early)
+
+
+def release_early_signals() -> None:
+    """Ignore again what `keep_early_signals` records (a command that no `StopSignals` will
+    ask): the processes this one starts inherit the ignoring, as they did."""
+    for signum in _ignored_at_start:
+        signal.signal(signum, signal.SIG_IGN)
+    _ignored_at_start.clear()
+    _came_early.clear()
 
 
 def _record_early(signum: int, frame: FrameType | None) -> None:
