@@ -107,6 +107,12 @@ def test_every_shipped_recipe_loads_and_validates():
         (["optim.adam_beta2=1.5"], r"optim\.adam_beta2: expected in \[0, 1\), got 1\.5"),
         (["checkpoint.save_on_signals=[SIGFOO]"], r"save_on_signals\[0\]: unknown signal 'SIGFOO'"),
         (["checkpoint.save_on_signals=[SIGINT]"], r"save_on_signals\[0\]: SIGINT \(Ctrl-C\)"),
+        (
+            ["checkpoint.save_on_signals=[SIGUSR2, SIGCHLD]"],
+            r"save_on_signals\[1\]: SIGCHLD does not ask a process to stop; accepted: SIGUSR1, "
+            r"SIGUSR2, SIGTERM, SIGHUP, SIGQUIT, SIGXCPU$",
+        ),
+        (["checkpoint.save_on_signals=[KILL]"], r"save_on_signals\[0\]: KILL does not ask"),
         (["metrics.wandb=maybe"], r"metrics\.wandb: expected one of 'auto'"),
         (
             ["algo.use_engine_logprobs=true"],

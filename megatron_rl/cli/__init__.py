@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,16 +12,18 @@ from typing import TYPE_CHECKING
 
 # Subcommands import what they use when they run: importing megatron-core, transformers and
 # wandb takes seconds, and megatron-core's checkpoint writer starts a helper process that imports
-# this (the main) module again.
+# this (the main) module again. What is imported here is light (the standard library and these
+# modules): `main` acts on signals and on its launcher before anything heavier is imported.
 from megatron_rl.cli.arguments import fraction, positive_int
-from megatron_rl.cli.bench import add_bench
-from megatron_rl.cli.known_warnings import WarningRouter
-from megatron_rl.cli.launch import add_launch, add_plan
-from megatron_rl.parallel.dims import ParallelDims
-from megatron_rl.process.stop import StopSignals
+from megatron_rl.process.children import end_with_parent
+from megatron_rl.process.stop import StopSignals, keep_early_signals, release_early_signals
 
 if TYPE_CHECKING:
+    from megatron_rl.parallel.dims import ParallelDims
     from megatron_rl.parallel.distributed import LaunchEnv
+
+# torchrun sets it in its workers' environment (torch.distributed.elastic).
+TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -74,7 +77,9 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         "algo.loss=grpo rollout.group_size=8 (docs/training.md lists every field).",
     )
     parser.add_argument("recipe", help="YAML recipe, e.g. examples/moe/tiny_gspo.yaml")
-    parser.add_argument("overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides")
+    parser.add_argument(
+        "overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides (also after options)"
+    )
     parser.add_argument(
         "--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest if any"
     )
@@ -129,6 +134,7 @@ def _add_losses(commands: argparse._SubParsersAction) -> None:
 
 
 def _layout(args: argparse.Namespace) -> tuple[LaunchEnv, ParallelDims]:
+    from megatron_rl.parallel.dims import ParallelDims
     from megatron_rl.parallel.distributed import LaunchEnv
 
     launch = LaunchEnv.from_environ()
@@ -244,6 +250,9 @@ def _add_convert(commands: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_rl.cli.bench import add_bench
+    from megatron_rl.cli.launch import add_launch, add_plan
+
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_losses, add_bench, _add_convert, add_launch, add_plan):
@@ -252,8 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # First: a graceful signal that the launcher left to this rank is kept from now on, and a
+    # rank of torchrun ends when torchrun does, however it ends (docs/slurm.md).
+    keep_early_signals()
+    if TORCHRUN_WORKER in os.environ:
+        end_with_parent()
+    args = _parse(build_parser(), argv)
+    if args.handler is not _train:  # the one command with a graceful stop
+        release_early_signals()
     # Before the subcommand imports megatron-core, which warns at import.
+    from megatron_rl.cli.known_warnings import WarningRouter
+
     args.known_warnings = WarningRouter(verbose=getattr(args, "verbose", False))
     args.known_warnings.install()
     from megatron_rl.rollout.sglang.http import SGLangError
@@ -266,6 +284,20 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, SGLangError) as error:  # the machine: a disk, a server
         print(f"megatron-rl: error: {_one_line(error)}", file=sys.stderr)
         return 1
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The command line; KEY=VALUE overrides written after an option (`train R --resume
+    a.b=c`) are overrides too (argparse ends a list of positionals at the first option)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        takes_overrides = isinstance(getattr(args, "overrides", None), list)
+        if takes_overrides and all("=" in item and not item.startswith("-") for item in unknown):
+            args.overrides = [*args.overrides, *unknown]  # not the shared default list
+        else:
+            hint = " (overrides are dotted KEY=VALUE)" if takes_overrides else ""
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
 
 
 def _one_line(error: Exception) -> str:

@@ -8,7 +8,9 @@ node rank is this node's place in `--nodes` (the job's node list), so rank 0 is 
 node, where the rendezvous is. The graceful stop signals (the recipe's checkpoint.save_on_signals)
 reach the ranks directly: SLURM signals every process of a job step. torchrun, their parent,
 ignores them (its default would end it, or end the ranks before they saved), and exits with the
-ranks' stop status 128 + signum, which the batch script answers by requeueing the job.
+ranks' stop status 128 + signum, which the batch script answers by requeueing the job. Another
+stop signal (scancel's SIGTERM) makes torchrun stop the ranks; this task then exits 128 + signum
+with one line, where torchrun itself would exit 1 with a traceback.
 """
 
 from __future__ import annotations
@@ -87,11 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(
         name for name in TORCHRUN_HANDLED if signal_number(name) not in graceful
     )
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     try:
         run(parse_args(torchrun_argv(args, rank)))
+    except SignalException as stopped:  # torchrun has stopped the ranks (SIGTERM, then SIGKILL)
+        name = signal.Signals(stopped.sigval).name
+        print(f"megatron-rl: node {rank}: {name}: the ranks were stopped", file=sys.stderr)
+        return 128 + int(stopped.sigval)
     except ChildFailedError as failed:
         status = stop_status([f.exitcode for f in failed.failures.values()], graceful)
         if status is None:

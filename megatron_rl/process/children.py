@@ -1,4 +1,5 @@
-"""No process a run starts outlives it, whatever ends the run.
+"""No process a run starts outlives it, whatever ends the run; nor does a rank outlive the
+launcher that started it (`end_with_parent`).
 
 megatron-core's checkpoint writer forks one process per write bucket. A process forked from here
 on (after `forks_die_with_this_process`) is killed by the kernel when its parent dies, even by
@@ -9,25 +10,38 @@ parent-death signal follows the thread that forked: megatron-core forks its writ
 main thread (a synchronous save); servers, started from any thread, are supervised instead
 (`supervise.py`). Process groups this one starts with `subprocess` (rollout servers) are registered
 (`started_group`) so that a stop that runs out of time kills them too (`kill_all`).
+
+A fork's hooks run Python code in which an exception is only printed ("Exception ignored") and
+dropped: `in_fork` says that one is running, so that a stop signal's handler can wait for the
+fork's end (`after_this_fork`) instead of raising there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import multiprocessing
 import os
 import signal
 import sys
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable
 
 _PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 0.5
 _IMMEDIATE = (signal.SIGTERM, signal.SIGINT)
 
 _ignored_in_children: frozenset[int] = frozenset()
 _hook_registered = False
 _parent_pid = os.getpid()  # the forking process, as the child sees it
 _groups: set[int] = set()
+# One item per fork in progress, from before its first hook to after its last one in the parent.
+# Counted by C calls (list.append, list.pop), not Python functions: a signal's Python handler
+# runs between two Python bytecodes, so none can run between the fork's start and the count.
+_forks_in_progress: list[bool] = []
+_after_fork_in_parent: list[Callable[[], None]] = []
 
 
 def forks_die_with_this_process() -> None:
@@ -35,8 +49,30 @@ def forks_die_with_this_process() -> None:
     itself (idempotent; called before anything that forks)."""
     global _hook_registered
     if not _hook_registered:
-        os.register_at_fork(before=_remember_parent, after_in_child=_in_forked_child)
+        os.register_at_fork(
+            before=_remember_parent,
+            after_in_parent=_fork_returned_in_parent,
+            after_in_child=_in_forked_child,
+        )
+        # Registered last: before a fork the hooks run last-registered first, after it
+        # first-registered first, so the count spans every hook registered until now.
+        os.register_at_fork(
+            before=functools.partial(_forks_in_progress.append, True),
+            after_in_parent=_forks_in_progress.pop,
+            after_in_child=_forks_in_progress.clear,
+        )
         _hook_registered = True
+
+
+def in_fork() -> bool:
+    """A fork's hooks are running (in some thread): an exception raised now may be dropped."""
+    return bool(_forks_in_progress)
+
+
+def after_this_fork(callback: Callable[[], None]) -> None:
+    """Call `callback` (in the parent) when the fork in progress has run its hooks but the
+    last; it must not raise."""
+    _after_fork_in_parent.append(callback)
 
 
 def leave_signals_to_parent(*, ignored: Iterable[int] = ()) -> None:
@@ -57,14 +93,41 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def end_with_parent() -> None:
+    """SIGKILL this process and what it forked when its parent dies, however the parent dies
+    (for a rank: torchrun killed with -9). Two watches: the kernel's parent-death signal
+    (Linux only; it follows the parent's thread that started this process, and torchrun starts
+    its workers from its main thread), and a thread that polls the parent's pid every
+    PARENT_POLL_S (anywhere). Nothing half-written stays visible: a checkpoint is published by
+    a rename, and an interrupted one is cleared on resume."""
+    parent = os.getppid()
+    die_with_parent(parent)
+    threading.Thread(
+        target=_exit_when_orphaned, args=(parent,), name="parent-watch", daemon=True
+    ).start()
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    kill_all()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _remember_parent() -> None:
     global _parent_pid
     _parent_pid = os.getpid()
 
 
+def _fork_returned_in_parent() -> None:
+    while _after_fork_in_parent:
+        _after_fork_in_parent.pop()()
+
+
 def _in_forked_child() -> None:
     die_with_parent(_parent_pid)
     _groups.clear()
+    _after_fork_in_parent.clear()
     for signum in (*_IMMEDIATE, *_ignored_in_children):
         handler = signal.SIG_IGN if signum in _ignored_in_children else signal.SIG_DFL
         with contextlib.suppress(ValueError):  # forked from another thread than the main one

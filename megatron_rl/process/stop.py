@@ -9,13 +9,22 @@ a checkpoint being written). Three things keep that bounded and honest:
 - Python only prints an exception raised inside a finalizer or a fork hook and goes on, so the
   request is also kept: a watchdog thread sends the signal again every NUDGE_S seconds (ignored
   while the exit unwinds), `raise_if_stopping()` raises it again, and the command's exit status
-  is 128 + signum whatever happened (`exit_code`);
+  is 128 + signum whatever happened (`exit_code`). A signal that lands in a fork's hooks does
+  not raise there: the watchdog sends it again as soon as the fork has returned. A child forked
+  from here that is signalled before its own handlers are set treats the signal as a forked
+  child does (`children`): an immediate one ends it, a graceful one is left to the parent;
 - the watchdog ends the process `deadline_s` after the signal if unwinding has not: it kills the
   processes this one started (`children.kill_all`) and calls `os._exit`.
 
 A *graceful* signal (the recipe's `checkpoint.save_on_signals`, for SLURM's `--signal`) only
 asks: the trainer finishes its step, saves a checkpoint and stops (`graceful_requested`). A
 second signal, of any kind, is immediate.
+
+A launcher that leaves the graceful signals to its ranks starts them ignoring those signals
+(launch/node.py), and the recipe that names them is read seconds later. So the command's first
+act (`keep_early_signals`) is to record, instead of ignoring, the graceful candidates it was
+started ignoring; `StopSignals` then takes over what came: a graceful one of its own is a stop
+after the step, the others stay ignored.
 """
 
 from __future__ import annotations
@@ -34,8 +43,24 @@ from megatron_rl.process import children
 STOP_DEADLINE_S = 30.0
 NUDGE_S = 3.0
 IMMEDIATE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The signals that may ask for a stop after the step (checkpoint.save_on_signals): those that
+# schedulers and clusters send to mean "stop" (SLURM's --signal, a preemption's SIGTERM, a
+# CPU-time limit's SIGXCPU, a lost terminal's SIGHUP, SIGQUIT).
+GRACEFUL_CANDIDATES = (
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGXCPU,
+)
 # What an immediate stop raises (SystemExit from these handlers, KeyboardInterrupt from Python's).
 STOPS = (SystemExit, KeyboardInterrupt)
+
+# The graceful candidates this process was started ignoring, and those of them that came
+# before StopSignals (keep_early_signals), in order.
+_ignored_at_start: set[int] = set()
+_came_early: list[int] = []
 
 # Signals are delivered to the main thread, between two of its bytecodes; these say whether it
 # is inside an `uninterrupted()` section and which exit waits for the section's end.
@@ -54,6 +79,30 @@ def signal_number(name: str) -> int:
         raise ValueError(f"unknown signal {name!r}; valid: {valid}") from None
 
 
+def keep_early_signals() -> None:
+    """Record the graceful candidates that this process was started ignoring (its launcher
+    leaves them to it) until `StopSignals` decides what they mean. Call it first thing: a
+    signal in between is lost. A command without a graceful stop calls
+    `release_early_signals`."""
+    for signum in GRACEFUL_CANDIDATES:
+        if signum not in _ignored_at_start and signal.getsignal(signum) is signal.SIG_IGN:
+            _ignored_at_start.add(signum)
+            signal.signal(signum, _record_early)
+
+
+def release_early_signals() -> None:
+    """Ignore again what `keep_early_signals` records (a command that no `StopSignals` will
+    ask): the processes this one starts inherit the ignoring, as they did."""
+    for signum in _ignored_at_start:
+        signal.signal(signum, signal.SIG_IGN)
+    _ignored_at_start.clear()
+    _came_early.clear()
+
+
+def _record_early(signum: int, frame: FrameType | None) -> None:
+    _came_early.append(signum)
+
+
 class StopSignals:
     """The stop signals' handlers while the `with` block runs (the previous ones after).
 
@@ -69,12 +118,32 @@ class StopSignals:
         self.immediate = False
         self._previous: dict[int, object] = {}
         self._left_block = threading.Event()  # no more nudges: the handlers are gone
+        self._nudge_now = threading.Event()  # a fork held the exit back and has returned
+        self._pid = os.getpid()  # a forked child runs these handlers until it resets them
 
     def __enter__(self) -> StopSignals:
         for signum in {*IMMEDIATE_SIGNALS, *self.graceful}:
             self._previous[signum] = signal.signal(signum, self._handle)
         children.leave_signals_to_parent(ignored=self.graceful)
+        self._take_early_signals()
         return self
+
+    def _take_early_signals(self) -> None:
+        """What `keep_early_signals` recorded (its handlers replaced first, so that nothing
+        falls between): a graceful signal of these is asked now; the rest were ignored, and
+        are ignored again."""
+        for signum in _ignored_at_start:
+            if signum in self._previous:
+                self._previous[signum] = signal.SIG_IGN  # restored on leaving, as it was
+            else:
+                signal.signal(signum, signal.SIG_IGN)
+        came = [signum for signum in _came_early if signum in self.graceful]
+        _ignored_at_start.clear()
+        _came_early.clear()
+        if came and self.signum is None:
+            self.signum = came[0]
+            name = signal.Signals(self.signum).name
+            _say(f"{name} (it came while the command started): the run stops after its next step")
 
     def __exit__(self, *exc_info: object) -> None:
         self._left_block.set()
@@ -99,6 +168,9 @@ class StopSignals:
             raise SystemExit(self.exit_code)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:
+            _in_forked_child(signum, graceful=signum in self.graceful)
+            return
         if self.signum is None and signum in self.graceful:
             self.signum = signum
             _say(f"{signal.Signals(signum).name}: the run stops after this step's checkpoint")
@@ -110,24 +182,40 @@ class StopSignals:
             self.signum, self.immediate = signum, True
             self._start_watchdog()
             _say(f"{signal.Signals(signum).name}: stopping within {self.deadline_s:g} s")
+        if children.in_fork():  # raised in a fork hook, the exit would be printed and dropped
+            children.after_this_fork(self._nudge_now.set)
+            return
         _exit_now_or_after_section(self.exit_code)
 
     def _start_watchdog(self) -> None:
-        """Until the deadline, the signal again every NUDGE_S (an exit that Python swallowed is
-        raised anew; one that is unwinding ignores it); then kill what is left and exit."""
+        """Until the deadline, the signal again every NUDGE_S, and as soon as a fork that held
+        it back has returned (an exit that Python swallowed or that waited is raised anew; one
+        that is unwinding ignores it); then kill what is left and exit."""
         signum, main = self.signum, threading.main_thread().ident
         deadline = time.monotonic() + self.deadline_s
 
         def watch() -> None:
             while (left := deadline - time.monotonic()) > 0:
-                time.sleep(min(NUDGE_S, left))
-                if left > NUDGE_S and not self._left_block.is_set():
+                self._nudge_now.wait(min(NUDGE_S, left))
+                self._nudge_now.clear()
+                while children.in_fork() and time.monotonic() < deadline:
+                    time.sleep(0.005)  # the fork's last hooks
+                if time.monotonic() < deadline and not self._left_block.is_set():
                     signal.pthread_kill(main, signum)
             _say(f"not stopped {self.deadline_s:g} s after the signal; killing what is left")
             children.kill_all()
             os._exit(128 + signum)
 
         threading.Thread(target=watch, name="stop-watchdog", daemon=True).start()
+
+
+def _in_forked_child(signum: int, *, graceful: bool) -> None:
+    """A child forked while these handlers were set, before it set its own: a graceful signal
+    is the parent's to handle; an immediate one takes its default action (ends the child)."""
+    if graceful:
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _unwinding() -> bool:

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Where a tokenizer's vocabulary comes from: a fast tokenizer's tokenizer.json, a SentencePiece
+# model, a BPE vocabulary. Without any of them transformers builds a tokenizer of one token.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# The tokenizer's JSON files, checked to name the damaged one when loading fails.
+JSON_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+)
 
 
 class PromptCodec:
@@ -20,7 +33,7 @@ class PromptCodec:
     def __init__(
         self, tokenizer_dir: str | Path, *, max_prompt_tokens: int, chat_template: bool = False
     ) -> None:
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.tokenizer = load_tokenizer(Path(tokenizer_dir))
         if self.tokenizer.eos_token_id is None:
             raise ValueError(f"{tokenizer_dir}: the tokenizer defines no eos token")
         if chat_template and not self.tokenizer.chat_template:
@@ -66,3 +79,30 @@ class PromptCodec:
 
     def decode(self, ids: tuple[int, ...] | list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    """The Hugging Face tokenizer in `directory`; a missing or damaged one is a ValueError of one
+    line naming the directory, or the file when a JSON file of it is not JSON."""
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: not a directory (the tokenizer's)")
+    if not any((directory / name).is_file() for name in VOCABULARY_FILES):
+        raise ValueError(f"{directory}: no tokenizer (none of {', '.join(VOCABULARY_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as error:  # transformers and the tokenizers library raise many kinds
+        for name in JSON_FILES:
+            path = directory / name
+            try:
+                if path.is_file():
+                    json.loads(path.read_bytes())
+            except ValueError as damage:  # JSONDecodeError, UnicodeDecodeError
+                reason = f"not JSON: {_first_line(damage)}"
+                raise ValueError(f"{path}: the tokenizer cannot be loaded ({reason})") from None
+        reason = f"{type(error).__name__}: {_first_line(error)}"
+        raise ValueError(f"{directory}: the tokenizer cannot be loaded ({reason})") from None
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

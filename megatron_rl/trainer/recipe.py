@@ -28,7 +28,7 @@ from megatron_rl.config import ConfigError, check_positive
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.moe.replay_mode import RoutingReplayMode
 from megatron_rl.parallel.dims import ParallelConfig
-from megatron_rl.process.stop import signal_number
+from megatron_rl.process.stop import GRACEFUL_CANDIDATES, signal_number
 from megatron_rl.rewards.config import DataConfig
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.trainer.metrics import MetricsConfig
@@ -248,14 +248,6 @@ class RunConfig:
         check_positive("run", self, "steps", "eval_every", "micro_batch_size", "max_bad_steps")
 
 
-# Signals a graceful stop cannot be asked by, and why.
-UNCATCHABLE = {
-    signal.SIGKILL: "cannot be caught",
-    signal.SIGSTOP: "cannot be caught",
-    signal.SIGINT: "(Ctrl-C) always stops at once",
-}
-
-
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Distributed checkpoints of the whole training state, and the final export."""
@@ -267,8 +259,9 @@ class CheckpointConfig:
     export_hf: bool = True
     """Export the final policy to RUN_DIR/export as a Hugging Face checkpoint."""
     save_on_signals: list[str] = field(default_factory=lambda: ["SIGUSR1"])
-    """Signals that stop the run after its step and a checkpoint (SLURM's `--signal`); SIGTERM
-    may be one. Any other stop signal stops it at once (docs/training.md, Failures)."""
+    """Signals that stop the run after its step and a checkpoint (SLURM's `--signal`), among
+    SIGUSR1, SIGUSR2, SIGTERM, SIGHUP, SIGQUIT and SIGXCPU. Any other stop signal stops it at
+    once (docs/training.md, Failures)."""
 
     def validate(self) -> None:
         if self.save_every < 0 or self.keep < 1:
@@ -284,8 +277,14 @@ class CheckpointConfig:
                 number = signal_number(name)
             except ValueError as error:
                 raise ConfigError(f"{key}: {error}") from None
-            if number in UNCATCHABLE:
-                raise ConfigError(f"{key}: {name} {UNCATCHABLE[number]}")
+            if number not in GRACEFUL_CANDIDATES:
+                accepted = ", ".join(signal.Signals(n).name for n in GRACEFUL_CANDIDATES)
+                why = (
+                    "(Ctrl-C) always stops at once"
+                    if number == signal.SIGINT
+                    else "does not ask a process to stop"
+                )
+                raise ConfigError(f"{key}: {name} {why}; accepted: {accepted}")
             numbers.append(number)
         return numbers
 

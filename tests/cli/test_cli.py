@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,33 @@ def test_console_script_is_installed():
     )
     assert result.returncode == 0, result.stderr
     assert "| gspo | sequence |" in result.stdout
+
+
+def test_overrides_after_an_option_are_taken(capsys):
+    recipe = str(Path(__file__).resolve().parents[2] / "examples" / "moe" / "tiny_gspo.yaml")
+    # run.steps=0 is refused when the recipe is checked: the override after --resume was read
+    assert main(["train", recipe, "--resume", "run.steps=0"]) == 2
+    assert "run.steps: expected > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", recipe, "--resume", "steps"])
+    assert "unrecognized arguments: steps (overrides are dotted KEY=VALUE)" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_command_without_a_graceful_stop_leaves_ignored_signals_ignored():
+    """Started ignoring SIGUSR1 (as a rank of launch/node.py is), `losses` ends ignoring it,
+    for the processes it would start to inherit."""
+    code = (
+        "import signal; from megatron_rl.cli import main; main(['losses']); "
+        "print(signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "True", result.stdout[-2000:]

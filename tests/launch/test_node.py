@@ -1,11 +1,21 @@
 """The pieces of a SLURM job's tasks that the real job (test_slurm_job.py) cannot vary: a trainer
-node's rank and torchrun arguments, which exit statuses are a graceful stop, and the command of a
-rollout node's server."""
+node's rank and torchrun arguments, which exit statuses are a graceful stop, the command of a
+rollout node's server; and a trainer node's task run for real, signalled as its ranks start."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
+from typing import IO
 
 import pytest
 
@@ -13,7 +23,14 @@ from megatron_rl.config import load_config
 from megatron_rl.launch.node import node_rank, stop_status, torchrun_argv
 from megatron_rl.launch.rollout_server import serve_argv
 from megatron_rl.trainer.recipe import Recipe
-from tests.trainer.run_cli import RECIPE
+from tests.processes import caught_signals, descendants, free_port
+from tests.trainer.run_cli import (
+    RECIPE,
+    REPO,
+    RESUMED_RUN,
+    train_command,
+    train_environment,
+)
 
 USR1 = [signal.SIGUSR1]
 
@@ -79,3 +96,105 @@ def test_a_rollout_node_server_listens_everywhere_on_its_own_port():
     assert argv[argv.index("--model-path") + 1] == recipe.model.hf_path
     assert "--enable-return-routed-experts" in argv
     assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+
+
+def _node_task(run_dir: Path, stderr: IO[str]) -> subprocess.Popen:
+    """A trainer node's task (torchrun for 2 ranks, SIGUSR1 graceful) as the batch script runs
+    it, without SLURM, on the tiny recipe of 3 steps."""
+    host = socket.gethostname()
+    train = train_command(run_dir, RESUMED_RUN, 1, False)[3:]  # after `python -m MODULE`
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_rl.launch.node",
+        f"--nodes={host}",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "--graceful",
+        "SIGUSR1",
+        "--",
+        *train,
+    ]
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=train_environment({"SLURMD_NODENAME": host}),
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+    )
+
+
+def _run_node_task(run_dir: Path, send: Callable[[int, list[int]], None]) -> tuple[int, str]:
+    """`_node_task`, `send(task, ranks)` once both ranks run; its exit status and stderr."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        task = _node_task(run_dir, stderr)
+        try:
+            send(task.pid, _started_ranks(task.pid))
+            code = task.wait(timeout=300)
+        finally:
+            for pid in descendants(task.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            task.kill()
+            task.wait()
+        stderr.seek(0)
+        return code, stderr.read()
+
+
+def _when_caught(ranks: list[int], signum: int, timeout_s: float) -> None:
+    """Wait until every rank has a handler for `signum`."""
+    deadline = time.monotonic() + timeout_s
+    while not all(signum in caught_signals(rank) for rank in ranks):
+        assert time.monotonic() < deadline, f"the ranks do not catch {signal.Signals(signum).name}"
+        time.sleep(0.05)
+
+
+def test_a_graceful_signal_right_after_the_ranks_start_stops_the_run_after_its_first_step(
+    tmp_path,
+):
+    """SIGUSR1 to the task and its ranks (SLURM signals every process of a job step) 0.5 s
+    after the ranks start, long before the recipe that names SIGUSR1 is read. The ranks keep
+    it, stop after step 1 with its checkpoint, and the task exits 138 (the script requeues)."""
+
+    def usr1_soon(task: int, ranks: list[int]) -> None:
+        time.sleep(0.5)
+        # the ranks' own code runs by now: they catch SIGUSR1 (they were started ignoring it)
+        _when_caught(ranks, signal.SIGUSR1, timeout_s=5.0)
+        for pid in (task, *ranks):
+            os.kill(pid, signal.SIGUSR1)
+
+    code, log = _run_node_task(tmp_path, usr1_soon)
+    assert code == 128 + signal.SIGUSR1, log[-3000:]
+    assert "SIGUSR1 (it came while the command started)" in log, log[-3000:]
+    assert "stopped after step 1" in log and "the ranks stopped on SIGUSR1" in log, log[-3000:]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000001"
+
+
+def test_sigterm_to_the_node_task_stops_its_ranks_and_exits_143_in_one_line(tmp_path):
+    """SIGTERM to the task alone (its torchrun) once the ranks run the training command (they
+    catch SIGTERM): torchrun stops them; the task exits 143 without a traceback."""
+
+    def sigterm_in_training(task: int, ranks: list[int]) -> None:
+        _when_caught(ranks, signal.SIGTERM, timeout_s=120.0)
+        os.kill(task, signal.SIGTERM)
+
+    code, log = _run_node_task(tmp_path, sigterm_in_training)
+    assert code == 128 + signal.SIGTERM, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert "megatron-rl: node 0: SIGTERM: the ranks were stopped" in log, log[-3000:]
+
+
+def _started_ranks(task: int) -> list[int]:
+    """The 2 ranks of the node's torchrun, once both run `megatron_rl.cli`."""
+    deadline = time.monotonic() + 60
+    while True:
+        ranks = []
+        for pid in descendants(task):
+            with contextlib.suppress(OSError):
+                if b"megatron_rl.cli" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    ranks.append(pid)
+        if len(ranks) == 2:
+            return ranks
+        assert time.monotonic() < deadline, "torchrun did not start its ranks"
+        time.sleep(0.02)

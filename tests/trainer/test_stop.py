@@ -20,7 +20,7 @@ from typing import IO
 import pytest
 
 from megatron_rl.process.stop import STOP_DEADLINE_S
-from tests.processes import group_gone
+from tests.processes import descendants, group_gone, still_running
 from tests.small_disk import on_small_disk
 from tests.trainer.run_cli import (
     REPO,
@@ -83,7 +83,7 @@ NONE, SAVED, PUBLISHED = [], ["latest", "step_000001"], ["step_000001"]
     [
         ("writer", "SIGTERM", [NONE]),
         # the main process may only notice once the writer is done (a signal that arrives in
-        # a fork hook is lost, and sent again by the watchdog after a few seconds)
+        # a fork hook waits for the fork's end)
         ("waiting", "SIGTERM", [NONE, SAVED]),
         ("publish", "SIGTERM", [NONE]),
         ("latest", "SIGTERM", [PUBLISHED]),
@@ -98,6 +98,7 @@ def test_a_stop_signal_during_a_save_ends_the_run_within_the_bound(
     code, seconds, log = _run_signalled(tmp_path, moment, signame)
     assert code == 128 + signal.Signals[signame], log[-3000:]
     assert seconds < STOP_DEADLINE_S + EXIT_SLACK_S, (seconds, log[-3000:])
+    assert "Exception ignored" not in log, log[-3000:]  # e.g. a stop raised in a fork hook
     # The save in flight is whole or gone: no staging stays, nor a `latest` naming nothing.
     checkpoints = tmp_path / "checkpoints"
     assert sorted(path.name for path in checkpoints.iterdir()) in outcomes
@@ -163,3 +164,40 @@ def test_a_full_disk_at_a_save_ends_the_run_in_one_line(tmp_path):
     assert "no space left for the checkpoint (this rank writes about" in result.stderr
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stdout.splitlines()[-1] == "left: "  # the staging directory was removed
+
+
+def test_kill_9_of_torchrun_during_a_save_ends_both_ranks_and_their_writers(tmp_path):
+    """torchrun, 2 ranks at EP 2, SIGKILLed while each rank's checkpoint writer holds its first
+    save (tests/trainer/stop_worker.py, hold@1): nothing it started survives it, and the save
+    it cut is not published."""
+    command = train_command(tmp_path, [*RESUMED_RUN, "parallel.ep=2"], 2, False)
+    worker = ["tests.trainer.stop_worker", "hold@1", "SIGKILL", str(tmp_path)]
+    at = command.index("megatron_rl.cli")
+    command[at : at + 1] = worker
+    with tempfile.TemporaryFile("w+") as stderr:
+        torchrun = subprocess.Popen(
+            command, cwd=REPO, env=train_environment(), stdout=subprocess.DEVNULL, stderr=stderr
+        )
+        started: list[int] = []
+        try:
+            deadline = time.monotonic() + 240
+            while not (tmp_path / "writing").is_file():
+                assert torchrun.poll() is None and time.monotonic() < deadline, "no save began"
+                time.sleep(0.1)
+            time.sleep(1.0)  # the other rank's writer too
+            started = descendants(torchrun.pid)
+            os.kill(torchrun.pid, signal.SIGKILL)
+            torchrun.wait()
+            left = still_running(started, timeout_s=10.0)
+        finally:
+            for pid in descendants(torchrun.pid) + started:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            torchrun.kill()
+            torchrun.wait()
+        stderr.seek(0)
+        log = stderr.read()
+    assert len(started) >= 4, (started, log[-3000:])  # 2 ranks, a writer each
+    assert not left, f"processes outlived torchrun's SIGKILL: {left}\n{log[-3000:]}"
+    assert not (tmp_path / "checkpoints" / "latest").exists()
+    assert not (tmp_path / "checkpoints" / "step_000001").exists()
