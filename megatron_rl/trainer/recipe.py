@@ -262,7 +262,7 @@ class CheckpointConfig:
     """Export the final policy to RUN_DIR/export as a Hugging Face checkpoint."""
     save_on_signals: list[str] = field(default_factory=lambda: ["SIGUSR1"])
     """Signals that stop the run after its step and a checkpoint (SLURM's `--signal`); SIGTERM
-    may be one. Any other stop signal stops it at once (docs/training.md, Failures)."""
+    may be one. Any other stop signal stops it at once (docs/training.md, Failures and recovery)."""
 
     def validate(self) -> None:
         if self.save_every < 0 or self.keep < 1:
