@@ -32,9 +32,16 @@ WANDB = "wandb==0.31.0"
 MATPLOTLIB = "matplotlib==3.11.2"
 
 EXTRAS_REQUIRE = {
-    # What scripts/test.sh installs: the test runner, property tests, the linter, wandb and
-    # matplotlib (the drift benchmark's test draws its plots).
-    "test": ["pytest==9.2.0", "hypothesis==6.170.17", "ruff==0.17.6", WANDB, MATPLOTLIB],
+    # What scripts/test.sh installs: the test runner and its per-test time limit, property
+    # tests, the linter, wandb and matplotlib (the drift benchmark's test draws its plots).
+    "test": [
+        "pytest==9.2.0",
+        "pytest-timeout==2.4.0",
+        "hypothesis==6.170.17",
+        "ruff==0.17.6",
+        WANDB,
+        MATPLOTLIB,
+    ],
     # GPU clusters only: Transformer Engine layer specs and fused kernels.
     "gpu": ["transformer-engine[pytorch]==2.20.2"],
     # The production rollout backend.

@@ -1,57 +1,61 @@
-"""The processes a test started, found by process group or parent in /proc (by PID, never by
-name), and the ports they may listen on."""
+"""The processes a test started, found by process group or by parent in /proc (by PID, never by
+name), stopped with their descendants when the test ends early; and the ports they may listen
+on."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
+import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
-def live_group_members(pgid: int) -> list[int]:
-    """PIDs of the processes of group `pgid` that still run (zombies, which only wait to be
-    reaped by whoever inherited them, do not count)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state != "Z":
-            members.append(int(stat.parent.name))
-    return members
-
-
-def _running() -> dict[int, int]:
-    """Parent PID of every running process (zombies left out), by PID."""
-    parents = {}
+def _running() -> dict[int, tuple[int, int]]:
+    """(parent PID, process group) of every running process by PID (zombies, which only wait to
+    be reaped by whoever inherited them, are left out)."""
+    found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # exited meanwhile
         if fields[0] != "Z":
-            parents[int(stat.parent.name)] = int(fields[1])
-    return parents
+            found[int(stat.parent.name)] = (int(fields[1]), int(fields[2]))
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    return pid in _running()
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """PIDs of the processes of group `pgid` that still run."""
+    return [pid for pid, (_, group) in _running().items() if group == pgid]
 
 
 def descendants(pid: int) -> list[int]:
-    """The running children of `pid`, theirs, and so on (torchrun's ranks are in sessions of
-    their own: their group is not torchrun's)."""
-    parents = _running()
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
+    """PIDs of the running processes descended from `pid` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in _running().items():
+        children.setdefault(parent, []).append(child)
+    found, waiting = [], list(children.get(pid, []))
+    while waiting:
+        child = waiting.pop()
+        found.append(child)
+        waiting += children.get(child, [])
     return found
 
 
 def still_running(pids: list[int], timeout_s: float) -> list[int]:
     """Those of `pids` that still run after up to `timeout_s` (they are waited for)."""
     deadline = time.monotonic() + timeout_s
-    while (left := [pid for pid in pids if pid in _running()]) and time.monotonic() < deadline:
+    while (left := [pid for pid in pids if is_running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 
@@ -63,6 +67,37 @@ def caught_signals(pid: int) -> set[int]:
             mask = int(line.split()[1], 16)
             return {bit + 1 for bit in range(64) if mask >> bit & 1}
     return set()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid`, every process descended from it and the process groups they lead, all
+    found before any is killed (a killed process's children pass to init and cannot be traced
+    back to it). torchrun starts each rank in a session of its own, so that killing torchrun's
+    group alone leaves the ranks running."""
+    found = [pid, *descendants(pid)]
+    ours = os.getpgrp()
+    for member in found:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(member) == member != ours:
+                os.killpg(member, signal.SIGKILL)
+            os.kill(member, signal.SIGKILL)
+
+
+def run_bounded(
+    command: Sequence[str], *, timeout: float, **popen: Any
+) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, timeout=timeout, **popen)` without capturing (pass files as
+    stdout and stderr), in a session of its own; when it does not end by itself (its timeout,
+    or the test's, which pytest-timeout raises in this thread, or Ctrl-C) it is killed with
+    every process it started (`kill_tree`) before the error goes on."""
+    process = subprocess.Popen(command, start_new_session=True, **popen)
+    try:
+        returncode = process.wait(timeout=timeout)
+    except BaseException:
+        kill_tree(process.pid)
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(command, returncode)
 
 
 def group_gone(pgid: int, timeout_s: float = 15.0) -> bool:

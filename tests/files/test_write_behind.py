@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -22,29 +23,49 @@ def test_each_lane_writes_in_the_order_put():
     assert written[1] == [step for step in range(200) if step % 3 % 2 == 1]
 
 
+def _put_on_a_thread(
+    behind: WriteBehind, write: Callable[[], None], nbytes: int
+) -> threading.Event:
+    """Starts `behind.put(0, write, nbytes)` on a thread; the event is set when it returns."""
+    returned = threading.Event()
+
+    def put() -> None:
+        behind.put(0, write, nbytes=nbytes)
+        returned.set()
+
+    threading.Thread(target=put, daemon=True).start()
+    return returned
+
+
 def test_put_waits_while_the_budget_is_queued():
     release = threading.Event()
-    returned = threading.Event()
     with WriteBehind(lanes=1, ahead_bytes=10) as behind:
-        behind.put(0, release.wait, nbytes=10)  # within the budget: does not wait
-
-        def put_more() -> None:
-            behind.put(0, lambda: None, nbytes=1)
-            returned.set()
-
-        putter = threading.Thread(target=put_more)
-        putter.start()
-        time.sleep(0.3)
-        assert not returned.is_set()  # 11 bytes would be queued
-        release.set()
-        putter.join(timeout=10)
-        assert returned.is_set()
+        try:
+            behind.put(0, release.wait, nbytes=10)  # within the budget: does not wait
+            returned = _put_on_a_thread(behind, lambda: None, 1)
+            time.sleep(0.3)
+            assert not returned.is_set()  # 11 bytes would be queued
+        finally:
+            release.set()  # a failed check must not leave the lane waiting
+        assert returned.wait(timeout=10)
 
 
 def test_a_write_larger_than_the_budget_waits_only_for_an_empty_queue():
+    release = threading.Event()
+    written: list[str] = []
     with WriteBehind(lanes=1, ahead_bytes=10) as behind:
-        behind.put(0, lambda: None, nbytes=100)
-        behind.put(0, lambda: None, nbytes=100)
+        try:
+            # The queue is empty: a write over the budget is put at once (it would wait for
+            # ever if it needed the budget).
+            first = _put_on_a_thread(behind, lambda: (release.wait(), written.append("first")), 100)
+            assert first.wait(timeout=10)
+            second = _put_on_a_thread(behind, lambda: written.append("second"), 100)
+            time.sleep(0.3)
+            assert not second.is_set()  # the first write is still queued: the second waits
+        finally:
+            release.set()  # a failed check must not leave the lane waiting
+        assert second.wait(timeout=10)  # once the queue is empty it goes in
+    assert written == ["first", "second"]
 
 
 def _fail() -> None:

@@ -1,7 +1,8 @@
 """`megatron-rl plan`: its parameter counts equal megatron-core's built models (the tiny model at
 several layouts, a shared expert and tied embeddings; Qwen3-30B-A3B's shape on the meta device),
-its memory arithmetic keeps its stated relations, its verdict agrees with published layouts that
-are known to fit or not, and it checks the example cluster recipes."""
+its memory arithmetic keeps its stated relations, published layouts fit and the same layouts
+with one change that must break them do not (for the reason worked out by hand), and it checks
+the example cluster recipes."""
 
 from __future__ import annotations
 
@@ -131,49 +132,91 @@ def test_a_colocated_server_takes_its_share_of_the_first_gpus():
     assert plan.engine_ranks == 4 and not plan.fits and plan.worst().engine == plan.engine_bytes
 
 
-# Published Qwen3-30B-A3B layouts that run on 80 GB H100s without offloading, as this planner
-# sees them (the sequence is prompt + response; rollout batch and minibatches as published):
-PUBLISHED = [
-    # NeMo-RL grpo-qwen3-30ba3b-4n8g: 4 nodes, TP1 EP8, micro-batch 1, 4096 tokens, no recompute
-    (
-        "nemo-rl 4n8g",
-        [
-            "parallel.pp=1",
-            "parallel.ep=8",
-            "run.micro_batch_size=1",
-            "model.recompute=false",
-            "rollout.max_new_tokens=3072",
-            "rollout.prompts_per_step=64",
-            "rollout.group_size=32",
-            "algo.updates_per_batch=4",
-        ],
-        4,
-        True,
-    ),
-    # verl run_qwen3moe-30b_megatron.sh: 4 nodes, TP4 PP2 EP4, micro-batch 4, 1024 + 2048 tokens,
-    # gradient checkpointing
-    (
-        "verl 4n8g",
-        [
-            "parallel.tp=4",
-            "parallel.pp=2",
-            "parallel.ep=4",
-            "run.micro_batch_size=4",
-            "rollout.max_new_tokens=2048",
-            "rollout.prompts_per_step=64",
-            "rollout.group_size=5",
-            "algo.updates_per_batch=1",
-        ],
-        4,
-        True,
-    ),
+# NeMo-RL grpo-qwen3-30ba3b-4n8g: 4 nodes, TP1 EP8, micro-batch 1, 4096 tokens, no recompute
+NEMO_RL_4N8G = [
+    "parallel.pp=1",
+    "parallel.ep=8",
+    "run.micro_batch_size=1",
+    "model.recompute=false",
+    "rollout.max_new_tokens=3072",
+    "rollout.prompts_per_step=64",
+    "rollout.group_size=32",
+    "algo.updates_per_batch=4",
 ]
+# verl run_qwen3moe-30b_megatron.sh: 4 nodes, TP4 PP2 EP4, micro-batch 4, 1024 + 2048 tokens,
+# gradient checkpointing
+VERL_4N8G = [
+    "parallel.tp=4",
+    "parallel.pp=2",
+    "parallel.ep=4",
+    "run.micro_batch_size=4",
+    "rollout.max_new_tokens=2048",
+    "rollout.prompts_per_step=64",
+    "rollout.group_size=5",
+    "algo.updates_per_batch=1",
+]
+QWEN3_PARAMETERS = 30_532_122_624
 
 
-@pytest.mark.parametrize(("name", "overrides", "nodes", "fits"), PUBLISHED)
-def test_published_layouts(name, overrides, nodes, fits):
-    plan = _plan(overrides, nodes=nodes, rollout_nodes=1)
-    assert plan.fits == fits, (name, plan.worst())
+# Published Qwen3-30B-A3B layouts that run on 80 GB H100s without offloading, as this planner
+# sees them (the sequence is prompt + response; rollout batch and minibatches as published).
+@pytest.mark.parametrize(("name", "overrides"), [("nemo-rl", NEMO_RL_4N8G), ("verl", VERL_4N8G)])
+def test_published_layouts_fit(name, overrides):
+    plan = _plan(overrides, nodes=4, rollout_nodes=1)
+    assert plan.fits, (name, plan.worst())
+
+
+# The published NeMo-RL layout with one change that must break it, each for the reason its
+# test works out by hand. The budget: 80 GiB less the 4 GiB reserve.
+BUDGET = 76 * 2**30
+
+
+def test_without_expert_parallelism_the_weights_and_gradients_alone_overflow():
+    plan = _plan([*NEMO_RL_4N8G, "parallel.ep=1"], nodes=4, rollout_nodes=1)
+    rank = plan.stages[0]
+    # every rank holds every expert: the whole model, 30.5 B parameters
+    assert rank.parameters.total == QWEN3_PARAMETERS
+    # bf16 weights (2 bytes) and fp32 main_grad (4 bytes): 170.6 GiB before anything else
+    assert (rank.weights, rank.gradients) == (2 * QWEN3_PARAMETERS, 4 * QWEN3_PARAMETERS)
+    assert 6 * QWEN3_PARAMETERS > BUDGET == plan.cluster.budget_bytes
+    assert not plan.fits and plan.largest_micro_batch == 0
+
+
+def test_the_plain_optimizer_overflows_where_the_distributed_one_fits():
+    distributed = _plan(NEMO_RL_4N8G, nodes=4, rollout_nodes=1)
+    plain = _plan([*NEMO_RL_4N8G, "optim.distributed_optimizer=false"], nodes=4, rollout_nodes=1)
+    rank = plain.stages[0]
+    dense, expert = rank.parameters.dense, rank.parameters.expert
+    assert (plain.dims.dp, plain.dims.edp) == (32, 4)
+    # Adam: an fp32 main weight and two moments, 12 bytes per bf16 parameter; the distributed
+    # optimizer shards the dense part over dp = 32 ranks and the experts over edp = 4
+    assert rank.optimizer == 12 * (dense + expert)
+    assert distributed.stages[0].optimizer == 12 * dense // 32 + 12 * expert // 4
+    # weights + gradients + Adam, 18 bytes per parameter: 86.6 GiB before the activations
+    assert rank.weights + rank.gradients + rank.optimizer == 18 * (dense + expert) > BUDGET
+    assert distributed.fits and not plain.fits and plain.largest_micro_batch == 0
+
+
+def test_on_one_node_the_experts_optimizer_state_is_not_sharded():
+    plan = _plan(NEMO_RL_4N8G, nodes=1, rollout_nodes=1)
+    rank = plan.stages[0]
+    dense, expert = rank.parameters.dense, rank.parameters.expert
+    # 8 ranks, EP 8: each expert on one rank only (edp 1), so its Adam state is not sharded
+    assert (plan.dims.dp, plan.dims.edp) == (8, 1)
+    assert rank.optimizer == 12 * dense // 8 + 12 * expert
+    at_rest = rank.weights + rank.gradients + rank.optimizer  # 71.5 GiB
+    assert at_rest < BUDGET < at_rest + rank.activations  # one sequence's activations: 26 GiB
+    assert not plan.fits and plan.largest_micro_batch == 0
+
+
+def test_four_times_the_micro_batch_holds_four_times_the_activations():
+    published = _plan(NEMO_RL_4N8G, nodes=4, rollout_nodes=1)
+    larger = _plan([*NEMO_RL_4N8G, "run.micro_batch_size=4"], nodes=4, rollout_nodes=1)
+    one, four = published.stages[0].activations, larger.stages[0].activations
+    # no recompute: every layer keeps its activations, linear in the micro-batch's tokens
+    assert four == pytest.approx(4 * one, rel=1e-3)
+    assert four > BUDGET  # 104 GiB of activations alone
+    assert not larger.fits and larger.largest_micro_batch == published.largest_micro_batch == 1
 
 
 @pytest.mark.parametrize(

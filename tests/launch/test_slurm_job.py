@@ -28,7 +28,11 @@ from tests.trainer.run_cli import (
     train_environment,
 )
 
-pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+pytestmark = [
+    pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason())),
+    # a job waits for SLURM's requeue (120 s) on top of its runs: more than the default limit
+    pytest.mark.timeout(900),
+]
 ONE_NODE = ["--nodes=1", "--gpus-per-node=2", "--device=cpu"]
 
 

@@ -42,6 +42,16 @@ def cpu_servers(
     return ServerGroup(config, model, log_dir, routed_experts=routed_experts)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The session's server starts inside the first test that asks for it (start-up may take its
+    240 s): the tier's tests get 600 s each, not the default limit (pyproject.toml), unless they
+    say otherwise."""
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(here) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(600))
+
+
 @pytest.fixture(scope="session")
 def sglang_servers(tmp_path_factory):
     if not SGLANG_PYTHON.is_file():

@@ -36,6 +36,8 @@ def _check(result, run_dir) -> dict[int, dict[str, float]]:
     return metrics
 
 
+# Each run may take its 600 s (train_cli's timeout) beyond the default limit.
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("method", "overrides"),
     [
@@ -91,6 +93,7 @@ def test_sigterm_stops_the_servers_the_run_started(tmp_path):
         run.wait()
 
 
+@pytest.mark.timeout(900)
 def test_the_cpu_example_recipe_on_two_ranks_starts_a_server_of_its_own(tmp_path):
     # The server is started by rank 0 under torchrun: it must not inherit torchrun's variables
     # (it would try to join the trainer's job and hang).

@@ -1,5 +1,6 @@
 """Run `megatron-rl train` in a subprocess (one process, or 2 ranks under torchrun) and read
-its metrics; every process started here is stopped by its PID."""
+its metrics; every process started here is stopped by its PID, with the processes it started
+when the run does not end by itself (`tests.processes.run_bounded`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.processes import free_port
+from tests.processes import free_port, run_bounded
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "examples" / "moe" / "tiny_qwen3_moe"
@@ -70,14 +71,13 @@ def train_cli_each(runs: list[tuple[Path, list[str]]]) -> list[subprocess.Comple
     commands = [train_command(run_dir, overrides, 1, False)[3:] for run_dir, overrides in runs]
     with tempfile.TemporaryDirectory() as scratch, tempfile.TemporaryFile("w+") as output:
         results = Path(scratch) / "results.json"
-        done = subprocess.run(
+        done = run_bounded(
             [sys.executable, "-m", "tests.trainer.each_command", str(results)]
             + [json.dumps(command) for command in commands],
             cwd=REPO,
             env=train_environment(),
             stdout=output,
             stderr=output,
-            text=True,
             timeout=300,
         )
         output.seek(0)
@@ -112,15 +112,14 @@ def train_cli(
     (the main one unless given) + overrides."""
     # Output goes to files, not pipes: a helper the run leaves behind that outlives it (torch's
     # shared-memory manager lives while an SGLang server holds tensors the run shared) would
-    # hold a pipe open and keep subprocess.run waiting for its end.
+    # hold a pipe open and keep a reader of it waiting for its end.
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
-        process = subprocess.run(
+        process = run_bounded(
             train_command(run_dir, list(overrides), nproc, resume, module, recipe),
             cwd=REPO,
             env=train_environment(extra_env),
             stdout=stdout,
             stderr=stderr,
-            text=True,
             timeout=timeout,
         )
         stdout.seek(0)
