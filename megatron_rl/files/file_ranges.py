@@ -71,15 +71,16 @@ class RangeCopier:
         for file_range in ranges:
             offset, end = file_range.offset, file_range.offset + file_range.length
             while offset < end:
-                data = self._read(file_range.path, offset, end - offset)
-                if not data:
-                    raise EOFError(
-                        f"{file_range.path}: ends before byte {end} (its range "
-                        f"{file_range.offset}+{file_range.length} was to be copied)"
-                    )
-                offset += len(data)
-                while data:
-                    data = data[os.write(out_fd, data) :]
+                # each view of the buffer released as it is left, an error too (a full disk):
+                # the buffer's memory cannot be unmapped while a view of it lives
+                with self._read(file_range.path, offset, end - offset) as data:
+                    if not data:
+                        raise EOFError(
+                            f"{file_range.path}: ends before byte {end} (its range "
+                            f"{file_range.offset}+{file_range.length} was to be copied)"
+                        )
+                    offset += len(data)
+                    _write_all(out_fd, data)
 
     def _read(self, path: Path, offset: int, count: int) -> memoryview:
         """Up to `count` bytes of `path` from `offset`: fewer at its end, none past it."""
@@ -105,3 +106,11 @@ class RangeCopier:
         self.cached.close()
         self.buffer.release()
         self.map.close()
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    """Write all of `data` at `fd`'s position (a write may take part of it)."""
+    written = 0
+    while written < len(data):
+        with data[written:] as rest:
+            written += os.write(fd, rest)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -188,3 +189,23 @@ def test_sigkill_during_a_conversion_leaves_no_process_and_only_its_staging(hf, 
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     assert not out.exists() and _leftovers(tmp_path) == [".out.partial"]
+
+
+def test_a_full_disk_during_an_export_ends_in_one_line_with_the_space_needed(hf, tmp_path):
+    """mcore-to-hf with its --out on 64 KiB: the export (about 130 KiB) does not fit; the copy
+    of the checkpoint's bytes into a shard is where the disk fills."""
+    ckpt = tmp_path / "ckpt"
+    assert main(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(ckpt)]) == 0
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = str(Path(sys.executable).parent / "megatron-rl")
+    command = [script, "convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(disk / "out")]
+    result = subprocess.run(
+        on_small_disk(str(disk), "64k", command), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    (error,) = [line for line in result.stderr.splitlines() if "error" in line]
+    assert error.startswith(f"megatron-rl: error: {disk / 'out'}: no space left for the export")
+    assert re.search(r"it needs about 0\.1\d MiB, 0\.0\d MiB were free", error), error
+    assert result.stdout.splitlines()[-1] == "left: "  # no staging directory, no --out
