@@ -22,7 +22,9 @@ from megatron_rl.checkpoint.format import (
     PartByPart,
     model_sharded_state_dict,
     read_metadata,
+    record_checksums_of_every_rank,
     save_weights,
+    verify_checkpoint,
     write_metadata,
 )
 from megatron_rl.files.atomic import staged_directory
@@ -72,12 +74,14 @@ def hf_to_mcore(
         dist.barrier()
         try:
             values = _values_from_hf(plan, source.checkpoint, bar)
-            save_weights(model_sharded_state_dict(model), staging / "weights", values)
+            weights = save_weights(model_sharded_state_dict(model), staging / "weights", values)
         finally:
             bar.close()
             source.checkpoint.close()
         if dist.get_rank() == 0:
             write_metadata(staging, family, config, source.checkpoint.directory)
+        written = {f"weights/{name}": checksum for name, checksum in weights.items()}
+        record_checksums_of_every_rank(staging, written)
 
 
 def _values_from_hf(
@@ -119,8 +123,13 @@ def mcore_to_hf(
     rank 0, the writer, holds whole and exports unchanged (expert weights, norms, embeddings:
     `unchanged_ranges`) are not read there: their bytes are copied from the checkpoint's files
     into the shards, file to file, where they are stored as they are exported. Returns the names
-    of the Hugging Face tensors so copied (on rank 0; none elsewhere)."""
+    of the Hugging Face tensors so copied (on rank 0; none elsewhere).
+
+    Rank 0 first reads every file of the checkpoint once against the checksums recorded at its
+    save (`verify_checkpoint`): a damaged file is named (a ValueError on every rank) before
+    anything is written, rather than exported as NaNs."""
     metadata = read_metadata(ckpt)
+    raise_together(lambda: verify_checkpoint(ckpt) if dist.get_rank() == 0 else None)
     family, config = metadata.family, metadata.config
     model = build_gpt_moe(config, dims, initialize=False)
     order = bind_rules(family, config)

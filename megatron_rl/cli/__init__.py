@@ -174,6 +174,7 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
     from megatron_rl.checkpoint import convert
     from megatron_rl.checkpoint.format import read_metadata
     from megatron_rl.files.atomic import check_output_dir
+    from megatron_rl.files.checksums import MANIFEST
     from megatron_rl.parallel.distributed import init_distributed, shutdown_distributed
 
     read_metadata(Path(args.ckpt), given_as="--ckpt")
@@ -181,6 +182,12 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
     launch, dims = _layout(args)
     if launch.rank == 0:
         _note_staging_left_beside(Path(args.out))
+        if not (Path(args.ckpt) / MANIFEST).is_file():
+            print(
+                f"megatron-rl: note: --ckpt {args.ckpt} was saved without checksums (by an "
+                "earlier version); only its files' lengths are checked",
+                file=sys.stderr,
+            )
     init_distributed(dims, launch)
     try:
         copied = convert.mcore_to_hf(
