@@ -205,8 +205,14 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
 
 
 def _note_staging_left_beside(out: Path) -> None:
-    from megatron_rl.files.atomic import staging_left_beside
+    from megatron_rl.files.atomic import directory_size, retired_copies, staging_left_beside
 
+    for retired in retired_copies(out):
+        print(
+            f"megatron-rl: note: {retired} ({directory_size(retired) / 2**20:.0f} MiB) was left "
+            f"by an interrupted --overwrite of {out}; it is removed once the new one is written",
+            file=sys.stderr,
+        )
     for staging, size in staging_left_beside(out):
         print(
             f"megatron-rl: note: {staging} ({size / 2**20:.0f} MiB) was left by an interrupted "

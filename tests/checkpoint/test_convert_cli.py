@@ -253,3 +253,25 @@ def test_a_checkpoint_damaged_in_place_is_refused_naming_the_file(hf, tmp_path):
     done = _cli("convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"note: --ckpt {ckpt} was saved without checksums" in done.stderr
+
+
+def test_what_a_killed_overwrite_left_is_named_and_removed_once_replaced(hf, tmp_path, capsys):
+    """A conversion killed while its --overwrite replaced the old --out leaves the old one
+    renamed `.OUT.old-PID`: the next conversion to OUT names it and removes it once the new OUT
+    is in place; one left beside another output is named and kept."""
+    out = tmp_path / "o"
+    retired = tmp_path / ".o.old-4242"  # a killed conversion's pid
+    (retired / "weights").mkdir(parents=True)
+    (retired / "weights" / "__0_0.distcp").write_bytes(bytes(2 * 2**20))
+    other = tmp_path / ".other.old-4243"
+    other.mkdir()
+    convert = ["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out), "--overwrite"]
+    assert main(convert) == 0
+    said = capsys.readouterr().err
+    assert (
+        f"note: {retired} (2 MiB) was left by an interrupted --overwrite of {out}; it is "
+        "removed once the new one is written"
+    ) in said
+    assert f"note: {other} (0 MiB) was left by an interrupted conversion or export" in said
+    assert not retired.exists() and other.is_dir()
+    assert (out / "megatron_rl.json").is_file()
