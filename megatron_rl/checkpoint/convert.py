@@ -127,9 +127,12 @@ def mcore_to_hf(
 
     Rank 0 first reads every file of the checkpoint once against the checksums recorded at its
     save (`verify_checkpoint`): a damaged file is named (a ValueError on every rank) before
-    anything is written, rather than exported as NaNs."""
+    anything is written, rather than exported as NaNs. It reads past the page cache: most of
+    the bytes are copied, read past it again."""
     metadata = read_metadata(ckpt)
-    raise_together(lambda: verify_checkpoint(ckpt) if dist.get_rank() == 0 else None)
+    raise_together(
+        lambda: verify_checkpoint(ckpt, past_page_cache=True) if dist.get_rank() == 0 else None
+    )
     family, config = metadata.family, metadata.config
     model = build_gpt_moe(config, dims, initialize=False)
     order = bind_rules(family, config)

@@ -115,13 +115,14 @@ def record_checksums_of_every_rank(ckpt: Path, mine: Mapping[str, FileChecksum])
         record_checksums(ckpt, {name: sum_ for sums in every for name, sum_ in sums.items()})
 
 
-def verify_checkpoint(ckpt: Path) -> bool:
+def verify_checkpoint(ckpt: Path, *, past_page_cache: bool = False) -> bool:
     """Check every file of checkpoint `ckpt` against what was saved, reading it once: the
     weights' lengths against their index (`check_weights`), then every file's checksum
-    (`verify_checksums`); a ValueError names the first damaged file. Returns False for a
-    checkpoint saved before checksums were recorded (its lengths alone were checked)."""
+    (`verify_checksums`, `past_page_cache` where its bytes are not read again from the page
+    cache); a ValueError names the first damaged file. Returns False for a checkpoint saved
+    before checksums were recorded (its lengths alone were checked)."""
     check_weights(ckpt)
-    return verify_checksums(ckpt)
+    return verify_checksums(ckpt, past_page_cache=past_page_cache)
 
 
 def _raise_if_out_of_space(state: ShardedStateDict, weights_dir: Path) -> None:

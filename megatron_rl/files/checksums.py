@@ -16,7 +16,7 @@ Both hashing and reading release the GIL, so that the files of a directory are v
 threads side by side.
 
 `HashingWriter` hashes a file's bytes as they are written; `file_checksum` reads a file that
-was written elsewhere (by a process of megatron-core's, say) once more.
+was written elsewhere (by a process of megatron-core's, say) once more, or one to be verified.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO
 
 from megatron_rl.files.atomic import write_text_atomic
+from megatron_rl.files.file_ranges import RangeReader
 
 MANIFEST = "checksums.json"
 ALGORITHM = "crc32"
@@ -90,9 +91,23 @@ class HashingWriter:
         return FileChecksum(self.size, self.crc32)
 
 
-def file_checksum(path: Path) -> FileChecksum:
-    """The checksum of the file at `path`, read once."""
+def file_checksum(path: Path, *, past_page_cache: bool = False) -> FileChecksum:
+    """The checksum of the file at `path`, read once: through the page cache (what is read
+    next finds it there), or past it where the file system allows (`RangeReader`: for bytes
+    that are not read again soon, which it would cost the kernel time to cache)."""
     crc32, size = 0, 0
+    if past_page_cache:
+        reader = RangeReader()
+        try:
+            while True:
+                with reader.read(path, size, _CHUNK) as chunk:
+                    if not chunk:
+                        break
+                    crc32 = zlib.crc32(chunk, crc32)
+                    size += chunk.nbytes
+        finally:
+            reader.close()
+        return FileChecksum(size, crc32)
     buffer = bytearray(_CHUNK)
     with open(path, "rb", buffering=0) as handle:
         os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -103,12 +118,18 @@ def file_checksum(path: Path) -> FileChecksum:
     return FileChecksum(size, crc32)
 
 
-def file_checksums(directory: Path, names: Iterable[str]) -> dict[str, FileChecksum]:
-    """The checksums of the files `names` (relative to `directory`), read side by side."""
+def file_checksums(
+    directory: Path, names: Iterable[str], *, past_page_cache: bool = False
+) -> dict[str, FileChecksum]:
+    """The checksums of the files `names` (relative to `directory`), read side by side
+    (`file_checksum`)."""
     names = list(names)
+
+    def checksum(name: str) -> FileChecksum:
+        return file_checksum(directory / name, past_page_cache=past_page_cache)
+
     with ThreadPoolExecutor(min(VERIFY_THREADS, max(len(names), 1))) as pool:
-        sums = pool.map(lambda name: file_checksum(directory / name), names)
-        return dict(zip(names, sums, strict=True))
+        return dict(zip(names, pool.map(checksum, names), strict=True))
 
 
 def record_checksums(directory: Path, known: Mapping[str, FileChecksum]) -> None:
@@ -128,11 +149,12 @@ def record_checksums(directory: Path, known: Mapping[str, FileChecksum]) -> None
     write_text_atomic(directory / MANIFEST, text)
 
 
-def verify_checksums(directory: Path) -> bool:
-    """Read every file `directory`'s MANIFEST lists, once, and raise a ValueError naming the
-    first (by name) whose length or checksum differs from the recorded one, or that is missing.
-    Returns False, having read nothing, when there is no MANIFEST (a directory written before
-    checksums were recorded); True when every file is as it was written."""
+def verify_checksums(directory: Path, *, past_page_cache: bool = False) -> bool:
+    """Read every file `directory`'s MANIFEST lists, once (`file_checksum`), and raise a
+    ValueError naming the first (by name) whose length or checksum differs from the recorded
+    one, or that is missing. Returns False, having read nothing, when there is no MANIFEST (a
+    directory written before checksums were recorded); True when every file is as it was
+    written."""
     path = directory / MANIFEST
     if not path.is_file():
         return False
@@ -153,7 +175,8 @@ def verify_checksums(directory: Path) -> bool:
     }
     if not damaged:
         largest_first = sorted(present, key=sizes.__getitem__, reverse=True)
-        for name, found in file_checksums(directory, largest_first).items():
+        found_sums = file_checksums(directory, largest_first, past_page_cache=past_page_cache)
+        for name, found in found_sums.items():
             if found.crc32 != recorded[name].crc32:
                 damaged[name] = (
                     f"its bytes differ from those saved: CRC-32 {found.crc32:08x}, "

@@ -12,6 +12,7 @@ import zlib
 import pytest
 import torch
 
+from megatron_rl.files import checksums, file_ranges
 from megatron_rl.files.checksums import (
     MANIFEST,
     FileChecksum,
@@ -42,10 +43,15 @@ def directory(tmp_path):
     return tmp_path
 
 
-def test_a_file_hashed_as_written_has_the_checksum_of_its_bytes(directory):
-    data = (directory / "weights" / "data.pt").read_bytes()
+def test_a_file_hashed_as_written_has_the_checksum_of_its_bytes(directory, monkeypatch):
+    path = directory / "weights" / "data.pt"
+    data = path.read_bytes()
     expected = FileChecksum(len(data), zlib.crc32(data))
-    assert file_checksum(directory / "weights" / "data.pt") == expected
+    assert file_checksum(path) == expected
+    assert file_checksum(path, past_page_cache=True) == expected
+    monkeypatch.setattr(file_ranges, "_BUFFER", 4096)  # many reads, the last one short
+    monkeypatch.setattr(checksums, "_CHUNK", 4096)
+    assert file_checksum(path, past_page_cache=True) == expected
     state = (directory / "trainer.json").read_bytes()
     manifest = json.loads((directory / MANIFEST).read_text())
     assert manifest == {
@@ -58,11 +64,12 @@ def test_a_file_hashed_as_written_has_the_checksum_of_its_bytes(directory):
     assert verify_checksums(directory) is True
 
 
-def test_bytes_overwritten_in_place_are_named(directory):
+@pytest.mark.parametrize("past_page_cache", [False, True])
+def test_bytes_overwritten_in_place_are_named(directory, past_page_cache):
     data = directory / "weights" / "data.pt"
     _overwrite_middle(data)
     with pytest.raises(ValueError) as raised:
-        verify_checksums(directory)
+        verify_checksums(directory, past_page_cache=past_page_cache)
     message = str(raised.value)
     assert message.startswith(f"{data}: damaged (its bytes differ from those saved: CRC-32 ")
     assert message.endswith(f"when saved); {directory} is unusable")
