@@ -49,6 +49,11 @@ def test_yaml_and_overrides(tmp_path):
         (["algo.loss_agg=mean"], r"algo\.loss_agg: unknown mode 'mean'"),
         (["algo"], r"expected key=value"),
         (["algo.loss.name=x"], r"algo\.loss: is a value, not a section"),
+        (
+            ["checkpoint.keep=0"],
+            r"^checkpoint\.keep: expected >= 1 \(the newest checkpoint\), got 0$",
+        ),
+        (["checkpoint.save_every=-2"], r"^checkpoint\.save_every: expected >= 0 .*, got -2$"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, message):

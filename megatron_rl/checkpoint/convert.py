@@ -8,7 +8,9 @@ writes it; `mcore_to_hf` loads the checkpoint a part at a time as the weight str
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -20,14 +22,20 @@ from megatron_rl.checkpoint.format import (
     PartByPart,
     model_sharded_state_dict,
     read_metadata,
+    record_checksums_of_every_rank,
     save_weights,
+    verify_checkpoint,
     write_metadata,
 )
 from megatron_rl.files.atomic import staged_directory
 from megatron_rl.files.distcp import TensorValue, TensorValues
 from megatron_rl.files.file_ranges import FileRange
 from megatron_rl.files.hf_checkpoint import HFCheckpoint, asset_files, copy_assets, read_config
-from megatron_rl.files.safetensors_shards import TensorSpec, write_safetensors_shards
+from megatron_rl.files.safetensors_shards import (
+    TensorSpec,
+    shard_file_sizes,
+    write_safetensors_shards,
+)
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.families.base import BoundRule, ModelFamily, bind_rules
@@ -66,12 +74,14 @@ def hf_to_mcore(
         dist.barrier()
         try:
             values = _values_from_hf(plan, source.checkpoint, bar)
-            save_weights(model_sharded_state_dict(model), staging / "weights", values)
+            weights = save_weights(model_sharded_state_dict(model), staging / "weights", values)
         finally:
             bar.close()
             source.checkpoint.close()
         if dist.get_rank() == 0:
             write_metadata(staging, family, config, source.checkpoint.directory)
+        written = {f"weights/{name}": checksum for name, checksum in weights.items()}
+        record_checksums_of_every_rank(staging, written)
 
 
 def _values_from_hf(
@@ -113,8 +123,16 @@ def mcore_to_hf(
     rank 0, the writer, holds whole and exports unchanged (expert weights, norms, embeddings:
     `unchanged_ranges`) are not read there: their bytes are copied from the checkpoint's files
     into the shards, file to file, where they are stored as they are exported. Returns the names
-    of the Hugging Face tensors so copied (on rank 0; none elsewhere)."""
+    of the Hugging Face tensors so copied (on rank 0; none elsewhere).
+
+    Rank 0 first reads every file of the checkpoint once against the checksums recorded at its
+    save (`verify_checkpoint`): a damaged file is named (a ValueError on every rank) before
+    anything is written, rather than exported as NaNs. It reads past the page cache: most of
+    the bytes are copied, read past it again."""
     metadata = read_metadata(ckpt)
+    raise_together(
+        lambda: verify_checkpoint(ckpt, past_page_cache=True) if dist.get_rank() == 0 else None
+    )
     family, config = metadata.family, metadata.config
     model = build_gpt_moe(config, dims, initialize=False)
     order = bind_rules(family, config)
@@ -160,7 +178,9 @@ def export_hf(
             model, family, config, bucket_bytes=bucket_bytes, before_tensor=before_tensor
         )
         if dist.get_rank() == 0:
-            _write_hf(staging, assets, family, config, stream, max_shard_bytes, progress, stored)
+            _write_hf(
+                staging, out, assets, family, config, stream, max_shard_bytes, progress, stored
+            )
         else:
             for _ in stream:
                 pass
@@ -183,8 +203,13 @@ class _Progress:
         self.bar.close()
 
 
+# The file system's unit of allocation on most disks: what a file of n bytes takes, rounded up.
+_BLOCK = 4096
+
+
 def _write_hf(
     staging: Path,
+    out: Path,
     assets: Path,
     family: ModelFamily,
     config: MoEModelConfig,
@@ -193,18 +218,32 @@ def _write_hf(
     progress: bool,
     stored: Mapping[str, Sequence[FileRange]] | None,
 ) -> None:
-    """Rank 0: the streamed weights as safetensors shards, with config.json and the tokenizer
-    files from the Hugging Face directory `assets` (config.json made from `config` if absent)."""
+    """Rank 0: the streamed weights as safetensors shards in `staging` (to become `out`), with
+    config.json and the tokenizer files from the Hugging Face directory `assets` (config.json
+    made from `config` if absent). A disk that fills is named with the space the export needs."""
     source_config = assets / "config.json"
     hf_config = read_config(assets) if source_config.is_file() else family.config_to_hf(config)
     specs = [TensorSpec(name, shape, dtype) for name, shape, dtype in stream.manifest]
+    files = asset_files(assets)
+    sizes = [*shard_file_sizes(specs, max_shard_bytes), *(path.stat().st_size for path in files)]
+    needed = sum(-(-size // _BLOCK) * _BLOCK for size in sizes)  # files take whole blocks
+    free = shutil.disk_usage(staging).free
     bar = _Progress(len(specs), "mcore-to-hf", progress)
     try:
         tensors = (pair for bucket in stream for pair in bucket)
         write_safetensors_shards(
             staging, specs, tensors, max_shard_bytes=max_shard_bytes, on_tensor=bar, stored=stored
         )
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        copy_assets(files, staging)
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left for the export (it needs about {needed / 2**20:.2f} MiB, "
+            f"{free / 2**20:.2f} MiB were free)",
+            str(out),
+        ) from error
     finally:
         bar.close()
-    (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    copy_assets(asset_files(assets), staging)

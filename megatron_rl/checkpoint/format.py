@@ -3,6 +3,8 @@
     megatron_rl.json   format version, model family, the MoEModelConfig
     hf/                the source config.json and tokenizer files (used again on export)
     weights/           megatron-core dist_checkpointing files (loadable at any TP/EP/PP)
+    checksums.json     every other file's length and CRC-32, written last
+                       (`megatron_rl.files.checksums`; absent from checkpoints saved before it)
 
 Conversions (`convert.py`) and training checkpoints (`megatron_rl.trainer.checkpoints`) both
 write this layout.
@@ -20,10 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+from megatron_rl.files.checksums import (
+    FileChecksum,
+    file_checksums,
+    record_checksums,
+    verify_checksums,
+)
 from megatron_rl.files.distcp import PartLoads, StreamingSave, TensorValues, check_weights
 from megatron_rl.files.file_ranges import FileRange
 from megatron_rl.files.hf_checkpoint import asset_files, copy_assets
@@ -65,13 +74,14 @@ filesystem_async._results_queue = queue.Queue()
 
 def save_weights(
     state: ShardedStateDict, weights_dir: Path, values: TensorValues | None = None
-) -> None:
-    """`dist_checkpointing.save` of `state` into `weights_dir` (a collective). With `values`, the
+) -> dict[str, FileChecksum]:
+    """`dist_checkpointing.save` of `state` into `weights_dir` (a collective); returns the
+    checksums of the data files this rank wrote, by name in `weights_dir`. With `values`, the
     values of those tensors are made as they are written, by this process, item by item
-    (`megatron_rl.files.distcp.StreamingSave`: the same files); without, megatron-core's own
-    writer processes write the state as it is, and are killed when the save is cut (an error, a
-    stop signal). A save that failed for want of space says so (megatron-core's writers report
-    it as a bare position mismatch)."""
+    (`megatron_rl.files.distcp.StreamingSave`: the same files), which hashes them as it writes
+    them; without, megatron-core's own writer processes write the state as it is, and are
+    killed when the save is cut (an error, a stop signal). A save that failed for want of
+    space says so (megatron-core's writers report it as a bare position mismatch)."""
     children.forks_die_with_this_process()
     strategy = None if values is None else StreamingSave(values)
     try:
@@ -82,6 +92,37 @@ def save_weights(
         if not isinstance(error, STOPS):
             _raise_if_out_of_space(state, weights_dir)
         raise
+    if strategy is not None:
+        return strategy.checksums
+    # megatron-core's writers are processes of their own that open and write the files
+    # themselves (FileSystemWriterAsync.write_preloaded_data), with no hook through which the
+    # bytes could be hashed on their way: this rank's files (named `__RANK_N.distcp` by its
+    # writer) are read once more, now, while their bytes are still in the page cache.
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return file_checksums(weights_dir, sorted(p.name for p in weights_dir.glob(f"__{rank}_*")))
+
+
+def record_checksums_of_every_rank(ckpt: Path, mine: Mapping[str, FileChecksum]) -> None:
+    """Checkpoint `ckpt`'s MANIFEST (`megatron_rl.files.checksums`), written by rank 0 once
+    every rank has written its files (a collective): `mine` are the checksums of the files
+    this rank wrote and hashed (paths relative to `ckpt`); the others (rank 0's small files:
+    metadata, config, tokenizer) are read and hashed there."""
+    every = [dict(mine)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(every, dict(mine))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        record_checksums(ckpt, {name: sum_ for sums in every for name, sum_ in sums.items()})
+
+
+def verify_checkpoint(ckpt: Path, *, past_page_cache: bool = False) -> bool:
+    """Check every file of checkpoint `ckpt` against what was saved, reading it once: the
+    weights' lengths against their index (`check_weights`), then every file's checksum
+    (`verify_checksums`, `past_page_cache` where its bytes are not read again from the page
+    cache); a ValueError names the first damaged file. Returns False for a checkpoint saved
+    before checksums were recorded (its lengths alone were checked)."""
+    check_weights(ckpt)
+    return verify_checksums(ckpt, past_page_cache=past_page_cache)
 
 
 def _raise_if_out_of_space(state: ShardedStateDict, weights_dir: Path) -> None:

@@ -180,6 +180,7 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
     from megatron_rl.checkpoint import convert
     from megatron_rl.checkpoint.format import read_metadata
     from megatron_rl.files.atomic import check_output_dir
+    from megatron_rl.files.checksums import MANIFEST
     from megatron_rl.parallel.distributed import init_distributed, shutdown_distributed
 
     read_metadata(Path(args.ckpt), given_as="--ckpt")
@@ -187,6 +188,12 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
     launch, dims = _layout(args)
     if launch.rank == 0:
         _note_staging_left_beside(Path(args.out))
+        if not (Path(args.ckpt) / MANIFEST).is_file():
+            print(
+                f"megatron-rl: note: --ckpt {args.ckpt} was saved without checksums (by an "
+                "earlier version); only its files' lengths are checked",
+                file=sys.stderr,
+            )
     init_distributed(dims, launch)
     try:
         copied = convert.mcore_to_hf(
@@ -204,8 +211,14 @@ def _convert_mcore_to_hf(args: argparse.Namespace) -> int:
 
 
 def _note_staging_left_beside(out: Path) -> None:
-    from megatron_rl.files.atomic import staging_left_beside
+    from megatron_rl.files.atomic import directory_size, retired_copies, staging_left_beside
 
+    for retired in retired_copies(out):
+        print(
+            f"megatron-rl: note: {retired} ({directory_size(retired) / 2**20:.0f} MiB) was left "
+            f"by an interrupted --overwrite of {out}; it is removed once the new one is written",
+            file=sys.stderr,
+        )
     for staging, size in staging_left_beside(out):
         print(
             f"megatron-rl: note: {staging} ({size / 2**20:.0f} MiB) was left by an interrupted "

@@ -71,28 +71,41 @@ def check_output_dir(out: Path, *, overwrite: bool) -> None:
 
 
 def staging_left_beside(out: Path) -> list[tuple[Path, int]]:
-    """Staging directories of other outputs in `out`'s directory (what killed writes left; one
-    may also be another write in progress), each with its size in bytes. `out`'s own is
-    removed by the next write to `out`."""
-    own = out.parent / f".{out.name}.partial"
+    """Staging directories and retired copies (`retired_copies`) of other outputs in `out`'s
+    directory (what killed writes left; one may also be another write in progress), each with
+    its size in bytes. `out`'s own are removed by the next write to `out`."""
+    own = {out.parent / f".{out.name}.partial", *retired_copies(out)}
     found = []
-    for staging in sorted(out.parent.glob(".*.partial")):
-        if staging.is_dir() and staging != own:
-            size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
-            found.append((staging, size))
+    for left in sorted([*out.parent.glob(".*.partial"), *out.parent.glob(".*.old-*")]):
+        if left.is_dir() and left not in own:
+            found.append((left, directory_size(left)))
     return found
 
 
+def retired_copies(out: Path) -> list[Path]:
+    """Old `out`s that a write killed while it replaced them left (`publish`: `.OUT.old-PID`;
+    one left between the two renames is the only copy of the old `out`). The next write to
+    `out` removes them once the new `out` is in place."""
+    return sorted(out.parent.glob(f".{out.name}.old-*"))
+
+
+def directory_size(directory: Path) -> int:
+    """The bytes of the files under `directory`."""
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
 def publish(staging: Path, out: Path) -> None:
-    """Move a completed `staging` directory to `out`, replacing an old `out` only after."""
+    """Move a completed `staging` directory to `out`, replacing an old `out` only after; then
+    remove the old one, and any that killed writes left (`retired_copies`)."""
     if out.exists():
         retired = out.parent / f".{out.name}.old-{os.getpid()}"
         with uninterrupted():  # a stop between the two renames would leave no `out`
             os.replace(out, retired)
             os.replace(staging, out)
-        shutil.rmtree(retired, ignore_errors=True)
     else:
         os.replace(staging, out)
+    for retired in retired_copies(out):
+        shutil.rmtree(retired, ignore_errors=True)
 
 
 def _fresh_staging(out: Path, overwrite: bool) -> Path:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import islice
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -77,6 +77,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from megatron_rl.files.atomic import flush_to_disk
+from megatron_rl.files.checksums import FileChecksum, HashingWriter
 from megatron_rl.files.file_ranges import FileRange, OpenFiles
 from megatron_rl.files.readahead import read_ahead
 from megatron_rl.files.torch_records import stored_tensor
@@ -152,12 +153,15 @@ class StreamingSave(SaveShardedStrategy):
     def __init__(self, values: TensorValues) -> None:
         super().__init__(BACKEND, BACKEND_VERSION)
         self.values = values
+        self.checksums: dict[str, FileChecksum] = {}
 
     @property
     def can_handle_sharded_objects(self) -> bool:
         return True  # as megatron-core's torch_dist: objects go into the same files
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
+        """Write this rank's files; their checksums, hashed as they were written, are then in
+        `checksums` (by file name)."""
         by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict, keep_only_main_replica=True
         )
@@ -171,6 +175,7 @@ class StreamingSave(SaveShardedStrategy):
         )
         raise_together(writer.write)
         save_state_dict_async_finalize(*planned)
+        self.checksums = writer.checksums
 
 
 @dataclass
@@ -199,6 +204,7 @@ class _ItemWriter(FileSystemWriterAsync):
         self.values = values
         self.files: list[_File] = []
         self.planner: SavePlanner | None = None
+        self.checksums: dict[str, FileChecksum] = {}  # by file name, once written
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         # megatron-core's split of the items into files, and its file names; nothing is read
@@ -224,7 +230,8 @@ class _ItemWriter(FileSystemWriterAsync):
 
     def write(self) -> None:
         """Write every item, then flush each file to the disk: each file by a thread of its own
-        (`WriteBehind`), while this thread makes the values they write."""
+        (`WriteBehind`), while this thread makes the values they write. Each file's bytes are
+        hashed as they are written (`checksums`)."""
         assert self.planner is not None, "planned by save_state_dict_async_plan first"
         order = [(file, item, self.planner.resolve_data(item)) for file, item in self._in_turn()]
         made: dict[int, _Made] = {}
@@ -239,7 +246,7 @@ class _ItemWriter(FileSystemWriterAsync):
             streams = {
                 file.name: (
                     lane,
-                    stack.enter_context(open(Path(self.checkpoint_dir) / file.name, "wb")),
+                    stack.enter_context(HashingWriter(Path(self.checkpoint_dir) / file.name)),
                 )
                 for lane, file in enumerate(self.files)
             }
@@ -256,8 +263,9 @@ class _ItemWriter(FileSystemWriterAsync):
                 behind.put(lane, partial(self._write_item, file, stream, item, data), nbytes)
             for lane, stream in streams.values():
                 behind.put(lane, partial(flush_to_disk, stream))
+        self.checksums = {name: stream.checksum for name, (_, stream) in streams.items()}
 
-    def _write_item(self, file: _File, stream: IO[bytes], item: WriteItem, data: Any) -> None:
+    def _write_item(self, file: _File, stream: HashingWriter, item: WriteItem, data: Any) -> None:
         result = _write_item(
             self.transforms, stream, data, item, file.name, SerializationFormat.TORCH_SAVE
         )

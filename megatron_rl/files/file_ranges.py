@@ -55,10 +55,10 @@ class OpenFiles:
         self.close()
 
 
-class RangeCopier:
-    """Appends file ranges to an open file descriptor, reading each source past the page cache
-    where its file system allows (`O_DIRECT`), through it elsewhere (tmpfs, some network file
-    systems); keeps each source open until `close`."""
+class RangeReader:
+    """Reads byte ranges of files past the page cache where their file system allows
+    (`O_DIRECT`), through it elsewhere (tmpfs, some network file systems); keeps each file open
+    until `close`."""
 
     def __init__(self) -> None:
         self.direct = OpenFiles()  # the sources read past the page cache
@@ -66,23 +66,10 @@ class RangeCopier:
         self.map = mmap.mmap(-1, _BUFFER)  # aligned to a page, as O_DIRECT needs
         self.buffer = memoryview(self.map)
 
-    def append(self, ranges: Iterable[FileRange], out_fd: int) -> None:
-        """Write the bytes of `ranges`, in order, at `out_fd`'s position (which advances)."""
-        for file_range in ranges:
-            offset, end = file_range.offset, file_range.offset + file_range.length
-            while offset < end:
-                data = self._read(file_range.path, offset, end - offset)
-                if not data:
-                    raise EOFError(
-                        f"{file_range.path}: ends before byte {end} (its range "
-                        f"{file_range.offset}+{file_range.length} was to be copied)"
-                    )
-                offset += len(data)
-                while data:
-                    data = data[os.write(out_fd, data) :]
-
-    def _read(self, path: Path, offset: int, count: int) -> memoryview:
-        """Up to `count` bytes of `path` from `offset`: fewer at its end, none past it."""
+    def read(self, path: Path, offset: int, count: int) -> memoryview:
+        """Up to `count` bytes of `path` from `offset` (at most 8 MiB): fewer at its end, none
+        past it. A view of this reader's buffer, valid until the next read: release it (`with`)
+        before `close`."""
         if path not in self.cached.fds:
             try:
                 return self._read_direct(self.direct.fd(path, os.O_DIRECT), offset, count)
@@ -92,7 +79,7 @@ class RangeCopier:
         return memoryview(os.pread(self.cached.fd(path), min(count, _BUFFER), offset))
 
     def _read_direct(self, fd: int, offset: int, count: int) -> memoryview:
-        """As `_read`, from `fd` opened with O_DIRECT: the aligned blocks that hold the bytes,
+        """As `read`, from `fd` opened with O_DIRECT: the aligned blocks that hold the bytes,
         at most a buffer's worth, are read into the buffer."""
         start = offset - offset % _ALIGN
         stop = min(start + _BUFFER, -(-(offset + count) // _ALIGN) * _ALIGN)
@@ -105,3 +92,32 @@ class RangeCopier:
         self.cached.close()
         self.buffer.release()
         self.map.close()
+
+
+class RangeCopier(RangeReader):
+    """Appends file ranges to an open file descriptor, reading each source as `RangeReader`
+    does; keeps each source open until `close`."""
+
+    def append(self, ranges: Iterable[FileRange], out_fd: int) -> None:
+        """Write the bytes of `ranges`, in order, at `out_fd`'s position (which advances)."""
+        for file_range in ranges:
+            offset, end = file_range.offset, file_range.offset + file_range.length
+            while offset < end:
+                # each view of the buffer released as it is left, an error too (a full disk):
+                # the buffer's memory cannot be unmapped while a view of it lives
+                with self.read(file_range.path, offset, end - offset) as data:
+                    if not data:
+                        raise EOFError(
+                            f"{file_range.path}: ends before byte {end} (its range "
+                            f"{file_range.offset}+{file_range.length} was to be copied)"
+                        )
+                    offset += len(data)
+                    _write_all(out_fd, data)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    """Write all of `data` at `fd`'s position (a write may take part of it)."""
+    written = 0
+    while written < len(data):
+        with data[written:] as rest:
+            written += os.write(fd, rest)

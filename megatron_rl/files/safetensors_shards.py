@@ -77,6 +77,14 @@ def _header(specs: list[TensorSpec]) -> bytes:
     return struct.pack("<Q", len(header)) + header
 
 
+def shard_file_sizes(specs: list[TensorSpec], max_shard_bytes: int) -> list[int]:
+    """The size in bytes of each shard file `write_safetensors_shards` writes for `specs`."""
+    return [
+        len(_header(shard)) + sum(spec.nbytes for spec in shard)
+        for shard in plan_shards(specs, max_shard_bytes)
+    ]
+
+
 def _check_arrival(name: str, tensor: torch.Tensor, spec: TensorSpec) -> None:
     if (name, tuple(tensor.shape), tensor.dtype) != (spec.name, spec.shape, spec.dtype):
         raise ValueError(

@@ -9,18 +9,22 @@
                             own counters
         megatron_rl.json    model family and config, and
         hf/                 config.json and tokenizer: `megatron-rl convert mcore-to-hf` reads it
+        checksums.json      every other file's length and CRC-32, written last
     CHECKPOINTS/latest      name of the newest complete checkpoint
 
 A checkpoint is written into `.step_000020.partial` and renamed when every rank has finished
 (`megatron_rl.files.atomic.staged_directory`), and `latest` is replaced atomically after that:
-a run killed while saving keeps its previous checkpoint. Only the newest `keep` checkpoints
-stay; an old one is renamed to `.step_000010.removing` before it is removed, so that a kill
-leaves either the whole checkpoint or a hidden folder. The next run removes what killed runs left
-(`clear_leftovers`), and resumes from the newest checkpoint whose files are whole
-(`checkpoint_to_resume`; a `step_N` directory exists only once complete, so `latest`, which is
-rewritten to it, is for people and tools), with damaged newer ones renamed `step_N.damaged` and
-named. A checkpoint resumes at the layout
-and with the optimizer it was saved with (`check_resumable`).
+a run killed while saving keeps its previous checkpoint. Every file's checksum is taken as it is
+written where this process writes it, and just after, from the page cache, where megatron-core's
+writer processes did (`megatron_rl.checkpoint.format.save_weights`). Only the newest `keep`
+checkpoints stay; an old one is renamed to `.step_000010.removing` before it is removed, so that
+a kill leaves either the whole checkpoint or a hidden folder. The next run removes what killed
+runs left (`clear_leftovers`), and resumes from the newest checkpoint whose files are as they
+were saved (`checkpoint_to_resume`: the weights' lengths, then every file read once against its
+checksum, and trainer.json; a `step_N` directory exists only once complete, so `latest`, which
+is rewritten to it, is for people and tools), with damaged newer ones renamed `step_N.damaged`
+and named. A checkpoint resumes at the layout and with the optimizer it was saved with
+(`check_resumable`).
 """
 
 from __future__ import annotations
@@ -41,11 +45,13 @@ from megatron_rl.checkpoint.format import (
     load_weights,
     model_sharded_state_dict,
     read_metadata,
+    record_checksums_of_every_rank,
     save_weights,
+    verify_checkpoint,
     write_metadata,
 )
-from megatron_rl.files.atomic import staged_directory, write_text_atomic
-from megatron_rl.files.distcp import check_weights
+from megatron_rl.files.atomic import flush_to_disk, staged_directory, write_text_atomic
+from megatron_rl.files.checksums import FileChecksum, HashingWriter
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.trainer.optimizer_state import (
     is_distributed,
@@ -102,13 +108,15 @@ def save_checkpoint(
     with staged_directory(final, overwrite=True, collective=True) as staging:
         (staging / "weights").mkdir(exist_ok=True)
         dist.barrier()
-        save_weights(
+        weights = save_weights(
             _sharded_state(policy, is_loading=False, format_version=FORMAT_VERSION),
             staging / "weights",
         )
-        _save_durably(_rng_state(), staging / f"rng_rank{dist.get_rank()}.pt")
+        written = {f"weights/{name}": checksum for name, checksum in weights.items()}
+        rng = f"rng_rank{dist.get_rank()}.pt"
+        written[rng] = _save_durably(_rng_state(), staging / rng)
         if dist.get_rank() == 0 and rollouts_ahead:
-            _save_durably(rollouts_ahead, staging / ROLLOUTS_AHEAD)
+            written[ROLLOUTS_AHEAD] = _save_durably(rollouts_ahead, staging / ROLLOUTS_AHEAD)
         dist.barrier()
         if dist.get_rank() == 0:
             state = {
@@ -120,7 +128,8 @@ def save_checkpoint(
                 "trainer": trainer_state,
             }
             write_metadata(staging, policy.family, policy.config, policy.hf_dir)
-            write_text_atomic(staging / "trainer.json", json.dumps(state, indent=2) + "\n")
+            write_text_atomic(staging / TRAINER_STATE, json.dumps(state, indent=2) + "\n")
+        record_checksums_of_every_rank(staging, written)
     if dist.get_rank() == 0:
         write_text_atomic(directory / LATEST, final.name + "\n")
         prune(directory, keep=keep, newest=final)
@@ -129,23 +138,77 @@ def save_checkpoint(
 
 
 def checkpoint_to_resume(directory: Path) -> Path | None:
-    """The newest checkpoint under `directory` whose files are whole, or None when there is
-    none (the module docstring); `latest` is rewritten when it named another or was missing."""
+    """The newest checkpoint under `directory` whose files are as they were saved, or None when
+    there is no checkpoint (the module docstring); `latest` is rewritten when it named another
+    or was missing. Damaged newer ones are set aside as `step_N.damaged`, each named with its
+    first damaged file; when every checkpoint is damaged, a ValueError names the newest's file
+    and nothing is moved (a resume from step 0 would silently discard the run)."""
     pointer = directory / LATEST
     named = pointer.read_text().strip() if pointer.is_file() else None
-    for path in reversed(complete_checkpoints(directory)):
+    found = complete_checkpoints(directory)
+    damaged: list[tuple[Path, ValueError]] = []
+    for path in reversed(found):
         try:
-            check_weights(path)
+            verified = verify_checkpoint(path)
+            read_trainer_state(path)
         except ValueError as error:
-            damaged = path.with_name(f"{path.name}.damaged")
-            os.replace(path, damaged)
-            _say(f"{error}; it is kept as {damaged.name}, and an older checkpoint is tried")
+            damaged.append((path, error))
             continue
+        for bad, error in damaged:
+            aside = _free_name(bad.with_name(f"{bad.name}.damaged"))
+            os.rename(bad, aside)
+            _say(f"{error}; it is kept as {aside.name}, and an older checkpoint is tried")
+        if not verified:
+            _say(f"{path.name}: saved without checksums; only its files' lengths were checked")
         if path.name != named:
             _say(f"{pointer}: {'named ' + named if named else 'missing'}; resuming {path.name}")
             write_text_atomic(pointer, path.name + "\n")
         return path
+    if damaged:
+        newest, error = damaged[0]
+        older = {1: "", 2: "; the older one is damaged too"}.get(
+            len(damaged), f"; the {len(damaged) - 1} older ones are damaged too"
+        )
+        raise ValueError(
+            f"{error}; no checkpoint in {directory} can be resumed{older} (restore the file, or "
+            f"move {newest.name} away to start again from step 0)"
+        )
     return None
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path-2`, `path-3`, ... the first that does not exist."""
+    candidate, number = path, 1
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}-{number}")
+    return candidate
+
+
+TRAINER_STATE = "trainer.json"
+# What a resume reads from it (the others are optional: fields added later).
+_TRAINER_STATE_KEYS = ("step", "world_size", "scheduler", "trainer")
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """Checkpoint `path`'s trainer.json, checked to be a JSON object with the fields a resume
+    reads; a ValueError names it otherwise."""
+    state_path = path / TRAINER_STATE
+    try:
+        state = json.loads(state_path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        reason = f"not JSON: {str(error).split('. ')[0]}"
+        raise ValueError(f"{state_path}: damaged ({reason}); {path} is unusable") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{state_path}: damaged (not a JSON object); {path} is unusable")
+    missing = [key for key in _TRAINER_STATE_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"{state_path}: damaged (no {', '.join(missing)}); {path} is unusable")
+    if not isinstance(state["step"], int):
+        raise ValueError(
+            f"{state_path}: damaged (step {state['step']!r} is not an integer); {path} is unusable"
+        )
+    return state
 
 
 def resume_point(run_dir: Path, *, resume: bool) -> Path | None:
@@ -195,11 +258,12 @@ def check_resumable(
         )
 
 
-def _save_durably(value: Any, path: Path) -> None:
-    with open(path, "wb") as handle:
+def _save_durably(value: Any, path: Path) -> FileChecksum:
+    """torch.save `value` to `path`, flushed to the disk; its checksum, hashed as written."""
+    with HashingWriter(path) as handle:
         torch.save(value, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+        flush_to_disk(handle)
+    return handle.checksum
 
 
 def load_rollouts_ahead(path: Path) -> list[dict[str, Any]]:
@@ -211,7 +275,7 @@ def load_rollouts_ahead(path: Path) -> list[dict[str, Any]]:
 def load_checkpoint(path: Path, policy: Policy) -> tuple[int, dict[str, Any]]:
     """Restore `policy` (model, optimizer, scheduler) and this rank's RNGs from `path`;
     returns the step it was saved after and the loop's own state."""
-    state = json.loads((path / "trainer.json").read_text())
+    state = read_trainer_state(path)
     check_resumable(path, state, policy.dims, is_distributed(policy.optimizer))
     format_version = read_metadata(path, given_as="checkpoint").format_version
     loaded = load_weights(

@@ -264,8 +264,14 @@ class CheckpointConfig:
     once (docs/training.md, Failures and recovery)."""
 
     def validate(self) -> None:
-        if self.save_every < 0 or self.keep < 1:
-            raise ConfigError("checkpoint.save_every: expected >= 0; checkpoint.keep: >= 1")
+        if self.save_every < 0:
+            raise ConfigError(
+                f"checkpoint.save_every: expected >= 0 (0: only at the end), got {self.save_every}"
+            )
+        if self.keep < 1:
+            raise ConfigError(
+                f"checkpoint.keep: expected >= 1 (the newest checkpoint), got {self.keep}"
+            )
         self.save_signal_numbers()
 
     def save_signal_numbers(self) -> list[int]:

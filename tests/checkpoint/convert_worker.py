@@ -19,6 +19,7 @@ from megatron_rl.checkpoint.format import (
     model_sharded_state_dict,
     read_metadata,
 )
+from megatron_rl.files.checksums import MANIFEST
 from megatron_rl.files.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.families import family_for
@@ -169,6 +170,7 @@ def convert_across_layouts(
             older.rename(ckpt / "weights")
             fields = json.loads((ckpt / METADATA).read_text())
             (ckpt / METADATA).write_text(json.dumps(fields | {"format": format_version}))
+            (ckpt / MANIFEST).unlink()  # no checksums then
         dist.barrier()
     saved_keys = sorted(dist_checkpointing.load_tensors_metadata(str(ckpt / "weights")))
     dims = _dims(launch, export_layout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_rl.cli import main
+from megatron_rl.files.torch_records import stored_tensor
 from tests.checkpoint.tiny_hf import save_tiny
 from tests.processes import group_gone, live_group_members
 from tests.small_disk import on_small_disk
@@ -188,3 +191,87 @@ def test_sigkill_during_a_conversion_leaves_no_process_and_only_its_staging(hf, 
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     assert not out.exists() and _leftovers(tmp_path) == [".out.partial"]
+
+
+def test_a_full_disk_during_an_export_ends_in_one_line_with_the_space_needed(hf, tmp_path):
+    """mcore-to-hf with its --out on 64 KiB: the export (about 130 KiB) does not fit; the copy
+    of the checkpoint's bytes into a shard is where the disk fills."""
+    ckpt = tmp_path / "ckpt"
+    assert main(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(ckpt)]) == 0
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = str(Path(sys.executable).parent / "megatron-rl")
+    command = [script, "convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(disk / "out")]
+    result = subprocess.run(
+        on_small_disk(str(disk), "64k", command), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    (error,) = [line for line in result.stderr.splitlines() if "error" in line]
+    assert error.startswith(f"megatron-rl: error: {disk / 'out'}: no space left for the export")
+    assert re.search(r"it needs about 0\.1\d MiB, 0\.0\d MiB were free", error), error
+    assert result.stdout.splitlines()[-1] == "left: "  # no staging directory, no --out
+
+
+def _overwrite_the_largest_tensors_bytes(ckpt: Path) -> Path:
+    """4 KiB of 0xff in the middle of the stored bytes of the checkpoint's largest tensor, its
+    file's size kept (float32 NaNs, as the issue found exported); returns the file."""
+    weights = ckpt / "weights"
+    items = FileSystemReader(str(weights)).read_metadata().storage_data.values()
+    info = max(items, key=lambda item: item.length)
+    path = weights / info.relative_path
+    fd = os.open(path, os.O_RDWR)
+    try:
+        stored = stored_tensor(fd, path, info.offset, info.length)
+        assert stored is not None and stored.data.length >= 8192
+        os.pwrite(fd, b"\xff" * 4096, stored.data.offset + stored.data.length // 2 - 2048)
+    finally:
+        os.close(fd)
+    return path
+
+
+def test_a_checkpoint_damaged_in_place_is_refused_naming_the_file(hf, tmp_path):
+    """4 KiB of 0xff in a tensor's bytes, its file's size kept: the export stops before it
+    writes anything, naming the file; a checkpoint saved before checksums is exported as
+    before, with a note."""
+    ckpt = tmp_path / "ckpt"
+    assert main(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(ckpt)]) == 0
+    saved = {path: path.read_bytes() for path in (ckpt / "weights").glob("*.distcp")}
+    data = _overwrite_the_largest_tensors_bytes(ckpt)
+    assert data.stat().st_size == len(saved[data])
+    out = tmp_path / "back"
+    done = _cli("convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    (line,) = [line for line in done.stderr.splitlines() if "error" in line]
+    assert line.startswith(f"megatron-rl: error: {data}: damaged (its bytes differ from those")
+    assert line.endswith(f"; {ckpt} is unusable")
+    assert not out.exists() and _leftovers(tmp_path) == []
+    # whole, without its checksums (as saved by an earlier version): exported, with a note
+    data.write_bytes(saved[data])
+    (ckpt / "checksums.json").unlink()
+    done = _cli("convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"note: --ckpt {ckpt} was saved without checksums" in done.stderr
+
+
+def test_what_a_killed_overwrite_left_is_named_and_removed_once_replaced(hf, tmp_path, capsys):
+    """A conversion killed while its --overwrite replaced the old --out leaves the old one
+    renamed `.OUT.old-PID`: the next conversion to OUT names it and removes it once the new OUT
+    is in place; one left beside another output is named and kept."""
+    out = tmp_path / "o"
+    retired = tmp_path / ".o.old-4242"  # a killed conversion's pid
+    (retired / "weights").mkdir(parents=True)
+    (retired / "weights" / "__0_0.distcp").write_bytes(bytes(2 * 2**20))
+    other = tmp_path / ".other.old-4243"
+    other.mkdir()
+    convert = ["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out), "--overwrite"]
+    assert main(convert) == 0
+    said = capsys.readouterr().err
+    assert (
+        f"note: {retired} (2 MiB) was left by an interrupted --overwrite of {out}; it is "
+        "removed once the new one is written"
+    ) in said
+    assert f"note: {other} (0 MiB) was left by an interrupted conversion or export" in said
+    assert not retired.exists() and other.is_dir()
+    assert (out / "megatron_rl.json").is_file()

@@ -136,3 +136,22 @@ def test_a_range_past_the_end_of_its_file_is_an_error_naming_it(tmp_path):
     with open(tmp_path / "out", "wb") as out, pytest.raises(EOFError, match=str(first)):
         copier.append([FileRange(first, first.stat().st_size - 50, 100)], out.fileno())
     copier.close()
+
+
+def test_a_failed_copy_raises_its_own_error_and_the_copier_still_closes(tmp_path):
+    """A write that fails (here: to a file opened read-only; a full disk alike) raises its
+    OSError, and closing the copier afterwards, with that error's traceback alive, releases its
+    buffer (no BufferError)."""
+    source = tmp_path / "source"
+    source.write_bytes(bytes(range(256)) * 64)
+    target = tmp_path / "target"
+    target.write_bytes(b"")
+    fd = os.open(target, os.O_RDONLY)
+    copier = RangeCopier()
+    try:
+        with pytest.raises(OSError) as raised:
+            copier.append([FileRange(source, 100, 5000)], fd)
+        assert raised.value.errno == errno.EBADF
+        copier.close()
+    finally:
+        os.close(fd)

@@ -10,7 +10,12 @@ import torch
 from safetensors import safe_open
 
 from megatron_rl.files.hf_checkpoint import HFCheckpoint
-from megatron_rl.files.safetensors_shards import TensorSpec, plan_shards, write_safetensors_shards
+from megatron_rl.files.safetensors_shards import (
+    TensorSpec,
+    plan_shards,
+    shard_file_sizes,
+    write_safetensors_shards,
+)
 
 
 def _tensors():
@@ -52,6 +57,9 @@ def test_written_shards_read_back_exactly(tmp_path):
         with safe_open(str(tmp_path / weight_map[name]), framework="pt") as handle:
             read = handle.get_tensor(name)
         assert read.dtype == tensor.dtype and torch.equal(read, tensor)
+    # the sizes known before writing (what a full disk's message says is needed)
+    written = [(tmp_path / file).stat().st_size for file in files]
+    assert shard_file_sizes(_specs(tensors), 200) == written
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == sum(sizes)
     (tmp_path / "config.json").write_text("{}")

@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megatron_rl.checkpoint.format import METADATA, read_metadata, write_metadata
+from megatron_rl.files.checksums import record_checksums
 from megatron_rl.files.distcp import check_weights
 from megatron_rl.models.hf_source import inspect_hf
 from megatron_rl.trainer.checkpoints import resume_point
@@ -34,10 +35,15 @@ def weights(tmp_path_factory) -> Path:
     return directory
 
 
-def _checkpoint(run_dir: Path, weights: Path, step: int) -> Path:
+def _checkpoint(run_dir: Path, weights: Path, step: int, *, checksums: bool = False) -> Path:
+    """A checkpoint of `weights` and a trainer.json after `step`; with `checksums`, its
+    checksums.json as a save writes it."""
     path = run_dir / "checkpoints" / f"step_{step:06d}"
     shutil.copytree(weights, path / "weights")
-    (path / "trainer.json").write_text(json.dumps({"step": step}))
+    state = {"step": step, "world_size": 1, "scheduler": {}, "trainer": {}}
+    (path / "trainer.json").write_text(json.dumps(state))
+    if checksums:
+        record_checksums(path, {})
     return path
 
 
@@ -101,6 +107,73 @@ def test_resume_passes_over_a_damaged_newest_checkpoint_and_names_its_file(
     assert (tmp_path / "checkpoints" / LATEST).read_text() == "step_000002\n"
     # the damaged one is no longer a checkpoint: pruning and the next resume leave it alone
     assert complete_checkpoints(tmp_path / "checkpoints") == [older]
+
+
+def _overwrite_middle(path: Path) -> None:
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.seek(size // 2 - 2048)
+        handle.write(b"\xff" * 4096)
+    assert path.stat().st_size == size
+
+
+def test_damage_that_keeps_sizes_and_a_garbage_trainer_json_are_set_aside_under_free_names(
+    tmp_path, weights, capsys
+):
+    older = _checkpoint(tmp_path, weights, 2, checksums=True)
+    middle = _checkpoint(tmp_path, weights, 4, checksums=True)
+    newest = _checkpoint(tmp_path, weights, 6)  # saved before checksums: its lengths only
+    checkpoints = tmp_path / "checkpoints"
+    # names taken by checkpoints set aside before
+    (checkpoints / "step_000004.damaged" / "weights").mkdir(parents=True)
+    (checkpoints / "step_000006.damaged").mkdir()
+    (checkpoints / "step_000006.damaged-2").mkdir()
+    damaged = _data_file(middle)
+    _overwrite_middle(damaged)
+    (newest / "trainer.json").write_text('{"step": 6, "world_si')  # a torn write
+    assert resume_point(tmp_path, resume=True) == older
+    said = capsys.readouterr().err.splitlines()
+    assert said[0] == (
+        f"megatron-rl: {newest / 'trainer.json'}: damaged (not JSON: Unterminated string "
+        f"starting at: line 1 column 13 (char 12)); {newest} is unusable; it is kept as "
+        "step_000006.damaged-3, and an older checkpoint is tried"
+    )
+    assert said[1].startswith(
+        f"megatron-rl: {damaged}: damaged (its bytes differ from those saved: CRC-32 "
+    )
+    assert said[1].endswith("it is kept as step_000004.damaged-2, and an older checkpoint is tried")
+    assert (checkpoints / LATEST).read_text() == "step_000002\n"
+    assert (checkpoints / "step_000006.damaged-3" / "trainer.json").is_file()
+    assert (checkpoints / "step_000004.damaged-2" / "checksums.json").is_file()
+    assert complete_checkpoints(checkpoints) == [older]
+
+
+def test_a_damaged_checkpoint_is_set_aside_beside_one_set_aside_before(tmp_path, weights, capsys):
+    older = _checkpoint(tmp_path, weights, 2)
+    newest = _checkpoint(tmp_path, weights, 4)
+    earlier = tmp_path / "checkpoints" / "step_000004.damaged"
+    (earlier / "weights").mkdir(parents=True)  # not empty: a rename onto it would fail
+    os.truncate(_data_file(newest), 100)
+    assert resume_point(tmp_path, resume=True) == older
+    assert "it is kept as step_000004.damaged-2," in capsys.readouterr().err
+    assert (earlier / "weights").is_dir()
+    assert (earlier.with_name("step_000004.damaged-2") / "trainer.json").is_file()
+
+
+def test_when_every_checkpoint_is_damaged_the_newest_file_is_named_and_nothing_moves(
+    tmp_path, weights
+):
+    only = _checkpoint(tmp_path, weights, 2, checksums=True)
+    _overwrite_middle(_data_file(only))
+    with pytest.raises(ValueError) as raised:
+        resume_point(tmp_path, resume=True)
+    message = str(raised.value)
+    assert message.startswith(f"{_data_file(only)}: damaged (its bytes differ from those saved")
+    assert message.endswith(
+        f"no checkpoint in {tmp_path / 'checkpoints'} can be resumed (restore the file, or move "
+        "step_000002 away to start again from step 0)"
+    )
+    assert complete_checkpoints(tmp_path / "checkpoints") == [only]
 
 
 def test_pruning_never_removes_the_checkpoint_just_written(tmp_path, weights):

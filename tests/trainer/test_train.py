@@ -16,7 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_rl.checkpoint.format import verify_checkpoint
 from megatron_rl.cli.known_warnings import KNOWN_WARNINGS
+from megatron_rl.files.checksums import MANIFEST
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.trainer.checkpoints import check_resumable
 from tests.trainer.run_cli import (
@@ -189,6 +191,16 @@ def test_two_ranks(tmp_path, layout):
         assert all(f"routing/drift_layer_{layer}" in record for layer in range(4))
     if layout == ["parallel.ep=2"]:
         _check_resumes_only_as_saved(tmp_path / "checkpoints" / "step_000002")
+        _check_every_ranks_files_have_checksums(tmp_path / "checkpoints" / "step_000002")
+
+
+def _check_every_ranks_files_have_checksums(path: Path) -> None:
+    """Each rank's data files and RNG states are in the checkpoint's checksums, which hold."""
+    recorded = json.loads((path / MANIFEST).read_text())["files"]
+    assert {"rng_rank0.pt", "rng_rank1.pt", "trainer.json", "weights/.metadata"} <= set(recorded)
+    for rank in (0, 1):
+        assert any(name.startswith(f"weights/__{rank}_") for name in recorded), rank
+    assert verify_checkpoint(path)
 
 
 def _check_known_warnings(stderr: str, log: str, ranks: int, every_entry: bool) -> None:
