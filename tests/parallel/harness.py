@@ -14,6 +14,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from megatron_rl.parallel.distributed import LaunchEnv, shutdown_distributed
 from tests.processes import free_port
 
@@ -39,6 +41,9 @@ def _worker(target: Callable[..., Any], launch: LaunchEnv, results: Any, args: t
     # Lead a process group of its own: what the rank starts (megatron-core's checkpoint
     # writers, say) is stopped with it, even when the rank itself is killed.
     os.setpgrp()
+    # One torch thread per rank, as torchrun sets it (OMP_NUM_THREADS=1): 2 ranks of 2 threads
+    # each on 2 cores wait for each other's threads.
+    torch.set_num_threads(1)
     try:
         results.put((launch.rank, "ok", target(launch, *args)))
     except BaseException:
