@@ -5,10 +5,13 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
 import struct
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +22,7 @@ from megatron_rl.trainer.metrics import (
     WandbSink,
     resolve_wandb_mode,
 )
+from tests.processes import run_bounded
 
 
 def _records(path):
@@ -250,25 +254,49 @@ def _wandb_records(path):
     return records
 
 
-def test_wandb_offline_run_writes_logged_values(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    # Nothing may leave the machine: a dead local port as server, no crash reports, and wandb's
-    # settings and caches kept inside tmp_path.
-    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
-    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
-    for variable, name in [("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache")]:
-        monkeypatch.setenv(variable, str(tmp_path / name))
-    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "data"))
+# The run is written by a fresh interpreter, as the trainer's rank 0 writes it: wandb keeps
+# process-wide state (its setup singleton, its service process) that an earlier test of this
+# session must not be able to change.
+_OFFLINE_RUN = """
+import sys
+from pathlib import Path
+from megatron_rl.trainer.metrics import MetricsLogger, WandbSink
+logger = MetricsLogger(
+    [WandbSink("megatron-rl-test", "offline", Path(sys.argv[1]), {"lr": 0.5}, mode="offline")]
+)
+logger.log(1, {"reward/mean": 0.25, "loss/policy": 1.5})
+logger.log(2, {"reward/mean": 0.75, "loss/policy": -2.0})
+logger.close()
+"""
 
-    logger = MetricsLogger(
-        [WandbSink("megatron-rl-test", "offline", tmp_path / "runs", {"lr": 0.5}, mode="offline")]
-    )
-    logger.log(1, {"reward/mean": 0.25, "loss/policy": 1.5})
-    logger.log(2, {"reward/mean": 0.75, "loss/policy": -2.0})
-    logger.close()
+
+def test_wandb_offline_run_writes_logged_values(tmp_path):
+    pytest.importorskip("wandb")
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("WANDB_") and name != "PYTHONPATH"
+    }
+    # Nothing may leave the machine: a dead local port as server, no crash reports, and wandb's
+    # settings, caches and data kept inside tmp_path.
+    environment |= {
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "WANDB_SILENT": "true",
+        "WANDB_BASE_URL": "http://127.0.0.1:9",
+        "WANDB_ERROR_REPORTING": "false",
+        "WANDB_CONFIG_DIR": str(tmp_path / "config"),
+        "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+        "WANDB_DATA_DIR": str(tmp_path / "data"),
+    }
+    with open(tmp_path / "out.txt", "w") as out:
+        finished = run_bounded(
+            [sys.executable, "-c", _OFFLINE_RUN, str(tmp_path / "runs")],
+            timeout=240,
+            env=environment,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    assert finished.returncode == 0, (tmp_path / "out.txt").read_text()[-3000:]
 
     (run_dir,) = (tmp_path / "runs" / "wandb").glob("offline-run-*")
     (log_file,) = run_dir.glob("run-*.wandb")
@@ -281,7 +309,8 @@ def test_wandb_offline_run_writes_logged_values(tmp_path, monkeypatch):
         for record in records
         if record.WhichOneof("record_type") == "history"
     }
-    assert sorted(history) == [1, 2]
+    kinds = [record.WhichOneof("record_type") for record in records]
+    assert sorted(history) == [1, 2], f"records in {log_file}: {kinds}"
     assert history[1]["reward/mean"] == 0.25 and history[1]["loss/policy"] == 1.5
     assert history[2]["reward/mean"] == 0.75 and history[2]["loss/policy"] == -2.0
     (run,) = [record.run for record in records if record.WhichOneof("record_type") == "run"]
