@@ -19,6 +19,38 @@ from tests.sglang.test_weight_sync import _perturbed_buckets
 PROMPTS = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 12], [13, 14]]
 
 
+def _generate_across_an_update(engine, buckets, old: int, new: int, delay_s: float):
+    """Samples of a generation under version `old`, paused `delay_s` after its request went out
+    to load version `new`, then continued."""
+    engine.update_weights(buckets[old % 2], old)
+    posted = threading.Event()  # the generation's request is on its way to the server
+    post = engine._post
+
+    def post_and_tell(server, path, body):
+        if path == "/generate":
+            posted.set()
+        return post(server, path, body)
+
+    engine._post = post_and_tell
+    answers = {}
+    generation = threading.Thread(
+        target=lambda: answers.update(
+            groups=engine.generate(PROMPTS, SamplingParams(max_new_tokens=100), n=16, seed=4)
+        )
+    )
+    generation.start()
+    try:
+        # counted from the request, not the thread's start, which a loaded machine may delay
+        assert posted.wait(timeout=60)
+        time.sleep(delay_s)
+        with engine.paused():
+            engine.update_weights(buckets[new % 2], new)
+    finally:
+        generation.join()
+        engine._post = post
+    return [sample for group in answers["groups"] for sample in group]
+
+
 def test_a_generation_paused_for_a_weight_update_marks_each_tokens_version(
     sglang_servers, base_weights, tmp_path
 ):
@@ -26,47 +58,38 @@ def test_a_generation_paused_for_a_weight_update_marks_each_tokens_version(
     engine = SGLangEngine(
         sglang_servers.urls, sync, managed=sglang_servers, tensor_shapes=tiny_tensor_shapes()
     )
-    weights = {0: _perturbed_buckets(21), 1: _perturbed_buckets(22)}
-    references = {version: LocalEngine.from_pretrained(TINY_MODEL) for version in weights}
-    for version, buckets in weights.items():
-        references[version].update_weights(buckets, version)
+    # Even versions serve one set of weights, odd ones the other.
+    buckets = [_perturbed_buckets(21), _perturbed_buckets(22)]
+    reference_engines = [LocalEngine.from_pretrained(TINY_MODEL) for _ in buckets]
+    for parity, reference in enumerate(reference_engines):
+        reference.update_weights(buckets[parity], parity)
+    # Where the pause lands depends on the machine's speed: before the server took the request
+    # (every token under the new version) or after the generation finished (every token under
+    # the old one). Each attempt is checked whole; one must land inside the generation, and the
+    # next attempt pauses later or sooner according to where the last one landed.
+    delay_s, partial, landed = 0.1, [], []
     try:
-        engine.update_weights(weights[0], 0)
-        posted = threading.Event()  # the generation's request is on its way to the server
-        post = engine._post
-
-        def post_and_tell(server, path, body):
-            if path == "/generate":
-                posted.set()
-            return post(server, path, body)
-
-        engine._post = post_and_tell
-        answers = {}
-        generation = threading.Thread(
-            target=lambda: answers.update(
-                groups=engine.generate(PROMPTS, SamplingParams(max_new_tokens=100), n=16, seed=4)
-            )
-        )
-        generation.start()
-        # into the generation (48 samples of up to 100 tokens take longer): counted from the
-        # request, not the thread's start, which a loaded machine may delay past a fixed sleep
-        assert posted.wait(timeout=60)
-        time.sleep(0.1)
-        with engine.paused():
-            engine.update_weights(weights[1], 1)
-        generation.join()
+        for attempt in range(4):
+            old, new = 2 * attempt, 2 * attempt + 1
+            samples = _generate_across_an_update(engine, buckets, old, new, delay_s)
+            references = {old: reference_engines[0], new: reference_engines[1]}
+            for sample in samples:
+                versions = sample.response_versions()
+                assert sample.weight_version == versions[0]
+                assert versions == sorted(versions) and set(versions) <= {old, new}
+                # SGLang recomputes the prefix under the new weights (retract): each token's
+                # log-prob is exactly its version's
+                expected = logprobs_by_mark(sample, references)
+                torch.testing.assert_close(sample.logprobs, expected, atol=1e-4, rtol=0)
+            partial = [sample for sample in samples if sample.token_versions is not None]
+            for sample in partial:
+                assert sample.response_versions()[0] == old
+                assert sample.response_versions()[-1] == new
+            if partial:
+                break
+            before = all(sample.weight_version == new for sample in samples)
+            landed.append(f"{delay_s:.3f} s: {'before' if before else 'after'}")
+            delay_s = delay_s * 4 if before else delay_s / 4
     finally:
         engine.close()
-    samples = [sample for group in answers["groups"] for sample in group]
-    partial = [sample for sample in samples if sample.token_versions is not None]
-    assert partial, "the weight update landed after every generation had finished"
-    for sample in samples:
-        versions = sample.response_versions()
-        assert sample.weight_version == versions[0]
-        assert versions == sorted(versions) and set(versions) <= {0, 1}
-        # SGLang recomputes the prefix under the new weights (retract): each token's log-prob
-        # is exactly its version's
-        expected = logprobs_by_mark(sample, references)
-        torch.testing.assert_close(sample.logprobs, expected, atol=1e-4, rtol=0)
-    for sample in partial:
-        assert sample.response_versions()[0] == 0 and sample.response_versions()[-1] == 1
+    assert partial, f"no update landed inside the generation (pause after {', '.join(landed)})"
