@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from megatron_rl.bench import replay as replay_bench
 
 
+@pytest.mark.extended  # a reduced run: about a minute
 def test_bench_replay_runs_and_reports(tmp_path):
     # 256 tokens per row: the recorded routing (32 KiB) is well above the few KiB by which what
     # a pass leaves allocated varies between runs (one CI run measured -4 KiB at 16 tokens)

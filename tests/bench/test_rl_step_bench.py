@@ -8,6 +8,7 @@ import pytest
 from megatron_rl.bench import rl_step
 
 
+@pytest.mark.extended  # a reduced run of every arm: over a minute
 def test_the_step_benchmark_reports_each_arm_beside_the_compute_floor(tmp_path):
     spec = rl_step.RLStepBenchSpec(steps=3, warmup=0, arms=("megatron-rl lock-step",))
     report = rl_step.run_benchmark(spec, tmp_path)

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from megatron_rl.bench import sglang as sglang_bench
 from megatron_rl.rollout.sglang import SYNC_METHODS
 from tests.sglang.conftest import CPU_RECIPE, REPO, tiny_tensor_shapes
 
 
+@pytest.mark.extended  # over a minute and a half; the full run is docs/benchmarks/sglang.md's
 def test_the_benchmark_measures_every_method_beside_its_baseline(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the recipe's interpreter and shim paths are relative to the repo
     spec = sglang_bench.SGLangBenchSpec(

@@ -23,7 +23,11 @@ PROMPTS = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 12]]
 PROBE = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+# GLM-4.5 (its dense first layers and routing as DeepSeek-V3's) is extended.
+@pytest.fixture(
+    scope="module",
+    params=["deepseek_v3", pytest.param("glm4_moe", marks=pytest.mark.extended)],
+)
 def served(request, tmp_path_factory):
     """(tiny model directory, its model config, its server group)."""
     hf_dir = save_tiny(request.param, tmp_path_factory.mktemp(request.param) / "hf")

@@ -42,8 +42,10 @@ def _check(result, run_dir) -> dict[int, dict[str, float]]:
     ("method", "overrides"),
     [
         ("tensor", ["algo.loss=grpo", "algo.routing_replay=r3"]),
-        ("distributed", ["algo.mismatch=bypass"]),
-        ("disk", ["algo.loss=sspo"]),
+        # The two-rank example below trains over distributed sync, and tests/sglang/
+        # test_weight_sync.py checks each method's weights: these runs are extended.
+        pytest.param("distributed", ["algo.mismatch=bypass"], marks=pytest.mark.extended),
+        pytest.param("disk", ["algo.loss=sspo"], marks=pytest.mark.extended),
     ],
     ids=["r3_tensor", "engine_logprobs_distributed", "sspo_disk"],
 )
@@ -66,6 +68,9 @@ def test_training_on_an_external_server(sglang_servers, base_weights, tmp_path, 
         assert 0 <= metrics[2]["routing/drift_token_layer"] <= 1
 
 
+# Extended: test_server_process.py checks that a server ends with the process that started it,
+# tests/trainer/test_stop.py the trainer's SIGTERM.
+@pytest.mark.extended
 def test_sigterm_stops_the_servers_the_run_started(tmp_path):
     command = train_command(tmp_path, ["run.steps=50"], 1, False, recipe=CPU_RECIPE)
     run = subprocess.Popen(
