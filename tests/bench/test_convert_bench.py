@@ -20,6 +20,7 @@ STEPS = (
 )
 
 
+@pytest.mark.extended  # a reduced run of both directions and the baseline: over 40 s
 def test_bench_convert_runs_and_reports(tmp_path):
     spec = convert_bench.ConvertBenchSpec(
         num_layers=1,
