@@ -11,7 +11,6 @@ import struct
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
@@ -23,6 +22,7 @@ from megatron_rl.trainer.metrics import (
     resolve_wandb_mode,
 )
 from tests.processes import run_bounded
+from tests.trainer.run_cli import REPO
 
 
 def _records(path):
@@ -273,14 +273,11 @@ logger.close()
 def test_wandb_offline_run_writes_logged_values(tmp_path):
     pytest.importorskip("wandb")
     environment = {
-        name: value
-        for name, value in os.environ.items()
-        if not name.startswith("WANDB_") and name != "PYTHONPATH"
+        name: value for name, value in os.environ.items() if not name.startswith("WANDB_")
     }
     # Nothing may leave the machine: a dead local port as server, no crash reports, and wandb's
     # settings, caches and data kept inside tmp_path.
     environment |= {
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
         "WANDB_SILENT": "true",
         "WANDB_BASE_URL": "http://127.0.0.1:9",
         "WANDB_ERROR_REPORTING": "false",
@@ -292,6 +289,7 @@ def test_wandb_offline_run_writes_logged_values(tmp_path):
         finished = run_bounded(
             [sys.executable, "-c", _OFFLINE_RUN, str(tmp_path / "runs")],
             timeout=240,
+            cwd=REPO,
             env=environment,
             stdout=out,
             stderr=subprocess.STDOUT,
