@@ -19,7 +19,9 @@ DRIFT_METRICS: MetricDeclarations = {
     "drift/token_layer": Reduction.MEAN,
     "drift/token_any": Reduction.MEAN,
     "drift/jaccard": Reduction.MEAN,
+    "drift/activated_experts": Reduction.MEAN,
     "drift/layer/*": Reduction.MEAN,
+    "drift/activated_layer/*": Reduction.MEAN,
 }
 
 
@@ -42,6 +44,19 @@ def _check(old: Tensor, new: Tensor, mask: Tensor | None) -> Tensor:
     return mask
 
 
+def changed_routes(old: Tensor, new: Tensor) -> Tensor:
+    """`[tokens, layers]` bool: the (token, layer) pairs whose expert set differs between the
+    records `[tokens, layers, topk]`."""
+    _check(old, new, None)
+    return _shared_experts(old, new) < old.shape[2]
+
+
+def _shared_experts(old: Tensor, new: Tensor) -> Tensor:
+    """`[tokens, layers]` |A & B| of the expert sets, by comparing every pair of slots (indices
+    within a set are distinct)."""
+    return (old[..., :, None] == new[..., None, :]).sum(dim=(-1, -2))
+
+
 def routing_drift(
     old: Tensor,
     new: Tensor,
@@ -55,15 +70,19 @@ def routing_drift(
     - `drift/token_layer`: fraction of (token, layer) pairs whose expert set differs;
     - `drift/token_any`: fraction of tokens with at least one layer different;
     - `drift/jaccard`: mean Jaccard similarity |A & B| / |A | B| of the expert sets;
-    - `drift/layer/<i>`: fraction of tokens whose expert set differs at model layer i.
+    - `drift/activated_experts`: the papers' measure (GSPO, arXiv 2507.18071): the fraction of
+      activated experts, (token, layer, chosen expert) triples of `old`, no longer chosen in
+      `new`, i.e. the mean over (token, layer) of |A - B| / topk;
+    - `drift/layer/<i>`: fraction of tokens whose expert set differs at model layer i;
+    - `drift/activated_layer/<i>`: `drift/activated_experts` at model layer i.
 
     All values are 0-dim float tensors (no host sync).
     """
     mask = _check(old, new, mask)
     topk = old.shape[2]
-    # |A & B| by comparing every pair of slots (indices within a set are distinct)
-    shared = (old[..., :, None] == new[..., None, :]).sum(dim=(-1, -2))  # [tokens, layers]
+    shared = _shared_experts(old, new)  # [tokens, layers]
     differs = shared < topk
+    dropped = (topk - shared).float() / topk  # share of the old set's experts no longer chosen
     jaccard = shared.float() / (2 * topk - shared).float()
     weight = mask.float()[:, None].expand_as(jaccard)
     pairs = weight.sum().clamp(min=1)
@@ -72,8 +91,11 @@ def routing_drift(
         "drift/token_any": (differs.any(dim=1).float() * mask.float()).sum()
         / mask.sum().clamp(min=1),
         "drift/jaccard": (jaccard * weight).sum() / pairs,
+        "drift/activated_experts": (dropped * weight).sum() / pairs,
     }
-    per_layer = (differs.float() * weight).sum(dim=0) / mask.sum().clamp(min=1)
+    tokens = mask.sum().clamp(min=1)
+    per_layer = (differs.float() * weight).sum(dim=0) / tokens
+    activated_per_layer = (dropped * weight).sum(dim=0) / tokens
     layer_numbers = range(old.shape[1]) if layer_numbers is None else layer_numbers
     if len(layer_numbers) != old.shape[1]:
         raise ValueError(
@@ -81,9 +103,53 @@ def routing_drift(
         )
     for column, layer in enumerate(layer_numbers):
         metrics[f"drift/layer/{layer}"] = per_layer[column]
+        metrics[f"drift/activated_layer/{layer}"] = activated_per_layer[column]
     return metrics
 
 
 def routing_bytes(records: list[Tensor]) -> int:
     """Bytes held by recorded routing (the replay's memory)."""
     return sum(record.numel() * record.element_size() for record in records)
+
+
+# What routing_share_of_log_ratio reports: shares of one update's forward, which average.
+LOG_RATIO_SHARE_METRICS: MetricDeclarations = {
+    "routing/log_ratio_var_share": Reduction.MEAN,
+    "routing/log_ratio_abs_share": Reduction.MEAN,
+}
+
+
+def routing_share_of_log_ratio(
+    free_logp: Tensor, replayed_logp: Tensor, old_logp: Tensor, mask: Tensor
+) -> dict[str, Tensor]:
+    """How much of the token log-ratios routing causes, paired on the same parameters: the
+    log-probs `[b, S]` with the routers choosing freely and with the old routing replayed, each
+    against the old log-probs, over the tokens in `mask` (`[b, S]` bool):
+
+    - `routing/log_ratio_var_share`: 1 - var(replayed log-ratio) / var(free log-ratio): the share
+      of the log-ratio's variance that goes away when the routing is held (0 when routing adds
+      nothing; negative when holding the routing makes the ratios vary more);
+    - `routing/log_ratio_abs_share`: the same with the mean |log-ratio|.
+
+    Both are 0 when the free log-ratio is 0 everywhere (nothing to explain).
+    """
+    if not free_logp.shape == replayed_logp.shape == old_logp.shape == mask.shape:
+        raise ValueError(
+            f"log-probs free {list(free_logp.shape)}, replayed {list(replayed_logp.shape)}, old "
+            f"{list(old_logp.shape)} and mask {list(mask.shape)}: expected one shape [b, S]"
+        )
+    free = (free_logp - old_logp)[mask].double()
+    held = (replayed_logp - old_logp)[mask].double()
+
+    def share(held_part: Tensor, free_part: Tensor) -> Tensor:
+        if free_part <= 0:
+            return torch.zeros((), dtype=torch.float64)
+        return 1 - held_part / free_part
+
+    if free.numel() == 0:
+        zero = torch.zeros((), dtype=torch.float64)
+        return {"routing/log_ratio_var_share": zero, "routing/log_ratio_abs_share": zero}
+    return {
+        "routing/log_ratio_var_share": share(held.var(unbiased=False), free.var(unbiased=False)),
+        "routing/log_ratio_abs_share": share(held.abs().mean(), free.abs().mean()),
+    }

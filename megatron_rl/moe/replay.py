@@ -34,12 +34,16 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
 
+from megatron_rl.moe.margins import selection_scores, topk_margins
+
 
 class ObservedRouting(NamedTuple):
-    """One forward's routing, per MoE layer `[tokens, topk]` expert indices."""
+    """One forward's routing, per MoE layer `[tokens, topk]` expert indices, and per MoE layer
+    `[tokens]` the free choice's top-k margins (`megatron_rl.moe.margins`)."""
 
     free: list[Tensor]  # what the routers' current weights choose
     used: list[Tensor]  # what the forward used (under replay: the replayed experts)
+    margins: list[Tensor]  # how far each free choice was from another expert taking a place
 
 
 class RoutingReplay:
@@ -135,18 +139,25 @@ class RoutingReplay:
 
     def observe_routing(self) -> Callable[[], ObservedRouting]:
         """Watch each router's next forward: what it would choose without replay (megatron-core's
-        own top-k, with its score function, groups and bias), at the cost of one small matmul
-        per layer (no extra forward), and what it used (its routing map). Returns a function
+        own top-k, with its score function, groups and bias) and that choice's top-k margins, at
+        the cost of one small matmul per layer (no extra forward), and what it used (its
+        routing map). Returns a function
         that removes the hooks and gives the last forward's routing."""
         free: dict[int, Tensor] = {}
         used: dict[int, Tensor] = {}
+        margins: dict[int, Tensor] = {}
 
         def watch(layer: int) -> Callable:
             def hook(router: TopKRouter, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
                 with torch.no_grad():
                     logits = router.gating(inputs[0].detach())
+                    logits = logits.view(-1, router.config.num_moe_experts)
+                    scores = selection_scores(
+                        logits, score_function=router.score_function, expert_bias=router.expert_bias
+                    )
+                    margins[layer] = topk_margins(scores, router.topk)
                     _, free_map = topk_routing_with_score_function(
-                        logits.view(-1, router.config.num_moe_experts),
+                        logits,
                         router.topk,
                         use_pre_softmax=router.config.moe_router_pre_softmax,
                         num_groups=router.config.moe_router_num_groups,
@@ -168,7 +179,9 @@ class RoutingReplay:
             for handle in handles:
                 handle.remove()
             layers = range(len(self.routers))
-            return ObservedRouting([free[i] for i in layers], [used[i] for i in layers])
+            return ObservedRouting(
+                [free[i] for i in layers], [used[i] for i in layers], [margins[i] for i in layers]
+            )
 
         return stop
 

@@ -25,7 +25,7 @@ from megatron_rl.trainer.batches import EngineRouting, RolloutBatch, micro_batch
 from megatron_rl.trainer.metric_reductions import UPDATE_METRICS
 from megatron_rl.trainer.metrics import StepTimer
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
-from megatron_rl.trainer.policy import Policy, UpdateResult
+from megatron_rl.trainer.policy import ENGINE_MISMATCH_UNITS, Policy, UpdateResult
 from megatron_rl.trainer.recipe import AlgoConfig, OldLogProbs
 from megatron_rl.trainer.reference import ReferencePolicy
 from megatron_rl.trainer.schedule import OldPolicy
@@ -41,15 +41,28 @@ def learn(
     timer: StepTimer,
     seed: int,
     reference: ReferencePolicy | None = None,
+    probe_routing: bool = False,
 ) -> dict[str, float]:
     """The learning half of a step: the micro-batches of `batch`'s training rows (shuffled with
     `seed`, cut into `algo.updates_per_batch` minibatches of micro-batches of `micro_batch_size`
     rows, or one per row when there are fewer rows: `steps/updates` says how many), their old
     log-probs (`algo.old_logprobs`) and with `reference` the reference's, the group advantages,
-    then one optimizer step per minibatch. Returns the step's training metrics."""
+    then one optimizer step per minibatch. Returns the step's training metrics.
+
+    `probe_routing` (metrics.routing_probe) adds what each update changed in the routing
+    (`Policy.update`), how far the routers moved over the step, and for every arm how far the
+    engine's routing is from the trainer's (the batch's samples carry the engine's routing)."""
     if batch is None:  # every group had equal rewards and was dropped
         return {"steps/skipped": 0.0, "steps/no_data": 1.0, "steps/updates": 0.0}
-    minibatches = _minibatches(policy, batch, algo, micro_batch_size=micro_batch_size, seed=seed)
+    with_engine_routing = algo.routing_replay.uses_engine_routing or probe_routing
+    minibatches = _minibatches(
+        policy,
+        batch,
+        algo,
+        micro_batch_size=micro_batch_size,
+        seed=seed,
+        with_engine_routing=with_engine_routing,
+    )
     metrics: dict[str, float] = {}
     source = algo.old_logprobs
     if algo.runs_old_policy_forward:
@@ -70,12 +83,20 @@ def learn(
             metrics |= kl_metrics
     minibatches = _with_advantages(minibatches, step_advantages(batch, algo, kl_rows))
     mode = algo.routing_replay
+    routers_before = policy.router_weights() if probe_routing else None
     with timer.phase("train"):
-        updates = [policy.update(minibatch, spec, mode) for minibatch in minibatches]
+        updates = [
+            policy.update(minibatch, spec, mode, probe_routing=probe_routing)
+            for minibatch in minibatches
+        ]
+    if routers_before is not None:
+        metrics |= policy.router_change(routers_before)
     first = updates[0]  # before any optimizer step: it compares with the engine
     if source is OldLogProbs.ENGINE and not algo.runs_old_policy_forward and not first.skipped:
         metrics |= _mismatch_from_first_update(first)
-    if mode.uses_engine_routing and not first.skipped:
+    # The updates compare with the engine's routing where no old-policy forward recorded its own.
+    updates_see_engine_routing = mode.uses_engine_routing or not algo.runs_old_policy_forward
+    if with_engine_routing and updates_see_engine_routing and not first.skipped:
         metrics |= _engine_routing_mismatch(first)
     return metrics | {"optim/lr": policy.learning_rate} | _update_metrics(updates)
 
@@ -95,11 +116,18 @@ def step_advantages(
 
 
 def _minibatches(
-    policy: Policy, batch: RolloutBatch, algo: AlgoConfig, *, micro_batch_size: int, seed: int
+    policy: Policy,
+    batch: RolloutBatch,
+    algo: AlgoConfig,
+    *,
+    micro_batch_size: int,
+    seed: int,
+    with_engine_routing: bool,
 ) -> list[list[PolicyMicroBatch]]:
     """This rank's micro-batches of each minibatch of `batch`'s training rows (rows whose
-    responses were all filtered carry nothing and join none)."""
-    engine_routing = _engine_routing(policy) if algo.routing_replay.uses_engine_routing else None
+    responses were all filtered carry nothing and join none), `with_engine_routing`: carrying
+    the engine's routing (R3 replays it; the old-policy forward's record replaces it else)."""
+    engine_routing = _engine_routing(policy) if with_engine_routing else None
     return [
         micro_batches(
             batch,
@@ -148,6 +176,9 @@ def _with_old_policy(
     last_stage = parallel_state.is_pipeline_last_stage()
     old = _old_policy_metrics(every_micro_batch, computed) if last_stage else {}
     metrics = from_last_stage(old)
+    if every_micro_batch[0].routing is not None and computed[0].routing is not None:
+        # The engine's routing, which the old policy's record replaces: how far they differ.
+        metrics |= policy.engine_routing_mismatch(every_micro_batch, computed)
     attached = [
         replace(
             micro,
@@ -253,11 +284,12 @@ def _mismatch_from_first_update(first: UpdateResult) -> dict[str, float]:
 
 
 def _engine_routing_mismatch(first: UpdateResult) -> dict[str, float]:
-    """Under R3 the first update's drift (before any optimizer step, from the engine's routing)
-    is how far the trainer's routers disagree with the engine's: `routing/engine_mismatch_*`."""
+    """Where the updates compare with the engine's routing (R3, or no old-policy forward), the
+    first update's drift (before any optimizer step) is how far the trainer's routers disagree
+    with the engine's: `routing/engine_mismatch_*`."""
     return {
         f"routing/engine_mismatch_{unit}": first.metrics[f"routing/drift_{unit}"]
-        for unit in ("token_layer", "token_any")
+        for unit in ENGINE_MISMATCH_UNITS
         if f"routing/drift_{unit}" in first.metrics
     }
 

@@ -155,7 +155,7 @@ class Trainer:
                 run_dir,
                 stack,
                 routing_shape=(policy.config.num_layers, policy.config.router_topk),
-                routed_experts=recipe.algo.routing_replay.uses_engine_routing,
+                routed_experts=recipe.engine_returns_routing,
             )
         rank0_engine = Rank0Engine(engine, partial_rollouts=recipe.rollout.partial_rollouts)
         stack.callback(rank0_engine.close)  # before the engine's own resources are released
@@ -209,6 +209,7 @@ class Trainer:
             timer=timer,
             seed=recipe.run.seed + step,
             reference=self.reference,
+            probe_routing=recipe.metrics.routing_probe,
         )
         with timer.phase("weight_sync"):
             metrics |= self.sync(step)
@@ -231,6 +232,7 @@ class Trainer:
             algo=recipe.algo,
             data=recipe.data,
             seed=recipe.run.seed * 1_000_003 + step,
+            return_routed_experts=recipe.engine_returns_routing,
         )
 
     def sync(self, version: int) -> dict[str, float]:

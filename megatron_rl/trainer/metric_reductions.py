@@ -5,18 +5,32 @@ micro-batches and data-parallel ranks (`Policy.update`) and over a step's update
 from __future__ import annotations
 
 from megatron_rl.algo import LOSS_METRICS, MISMATCH_METRICS, MetricReductions, Reduction
-from megatron_rl.moe.drift import DRIFT_METRICS
+from megatron_rl.moe.drift import DRIFT_METRICS, LOG_RATIO_SHARE_METRICS
+from megatron_rl.moe.margins import MARGIN_METRICS
 
 
 def routing_metric_name(drift_key: str) -> str:
-    """The trainer's name of a `routing_drift` metric (`drift/layer/3`: `routing/drift_layer_3`)."""
+    """The trainer's name of a `routing_drift` or `margin_metrics` metric (`drift/layer/3`:
+    `routing/drift_layer_3`; `margin/near_tie`: `routing/margin_near_tie`)."""
     return f"routing/{drift_key.replace('/', '_')}"
 
 
-ROUTING_METRICS = {routing_metric_name(key): value for key, value in DRIFT_METRICS.items()} | {
-    # under replay: (token, layer) pairs whose forward used other experts than the replayed ones
-    "routing/replay_miss_token_layer": Reduction.MEAN,
-}
+def update_change_name(drift_key: str) -> str:
+    """The name of a `routing_drift` metric of one update's change (`drift/activated_experts`:
+    `routing/update_activated_experts`; `drift/layer/3`: `routing/update_layer_3`)."""
+    return f"routing/update_{drift_key.removeprefix('drift/').replace('/', '_')}"
+
+
+ROUTING_METRICS = (
+    {routing_metric_name(key): value for key, value in DRIFT_METRICS.items()}
+    | {update_change_name(key): value for key, value in DRIFT_METRICS.items()}
+    | {routing_metric_name(key): value for key, value in MARGIN_METRICS.items()}
+    | dict(LOG_RATIO_SHARE_METRICS)
+    | {
+        # under replay: (token, layer) pairs whose forward used other experts than the replayed
+        "routing/replay_miss_token_layer": Reduction.MEAN,
+    }
+)
 
 # The update's own, and what the old-policy forward reports when the update's forward is it.
 TRAINER_METRICS = {

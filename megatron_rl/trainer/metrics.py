@@ -42,6 +42,13 @@ class MetricsConfig:
     """wandb logging: auto (online with WANDB_API_KEY, else offline), online, offline, disabled."""
     wandb_project: str = "megatron-rl"
     """wandb project."""
+    routing_probe: bool = False
+    """Measure what each update does to the routing (the drift harness turns it on): the
+    update's last micro-batch is forwarded again after the optimizer step, routing freely and
+    with its old routing replayed, for `routing/update_*`, `routing/margin_*` and
+    `routing/log_ratio_*_share`; the routers' change per step; and the engine returns its
+    routing for `routing/engine_mismatch_*` under every arm (docs/drift.md). Costs two
+    forwards of one micro-batch per update."""
 
 
 class MetricsSink(Protocol):

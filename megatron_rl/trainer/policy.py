@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.router import TopKRouter
 from torch import Tensor
 
 from megatron_rl.algo.reductions import Reduction
@@ -19,13 +20,18 @@ from megatron_rl.models.config import ModelConfig, MoEModelConfig
 from megatron_rl.models.families import ModelFamily
 from megatron_rl.models.hf_source import inspect_hf
 from megatron_rl.models.hf_weights import HFWeightStream, load_hf_weights, stream_hf_weights
-from megatron_rl.moe.drift import routing_drift
+from megatron_rl.moe.drift import changed_routes, routing_drift, routing_share_of_log_ratio
+from megatron_rl.moe.margins import margin_metrics
 from megatron_rl.moe.replay import ObservedRouting, RoutingReplay
 from megatron_rl.moe.replay_mode import RoutingReplayMode
 from megatron_rl.parallel.collectives import host_all_reduce, union_over_ranks
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.stages import from_last_stage, join_stages
-from megatron_rl.trainer.metric_reductions import UPDATE_METRICS, routing_metric_name
+from megatron_rl.trainer.metric_reductions import (
+    UPDATE_METRICS,
+    routing_metric_name,
+    update_change_name,
+)
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 from megatron_rl.trainer.optimizer import (
     OptimConfig,
@@ -40,6 +46,10 @@ from megatron_rl.trainer.schedule import (
     old_policy_pass,
     policy_forward_backward,
 )
+
+# `routing_drift` measures reported as `routing/engine_mismatch_<unit>`: the engine's routing
+# against the trainer's at the same weights.
+ENGINE_MISMATCH_UNITS = ("token_layer", "token_any", "activated_experts")
 
 # Per-micro-batch sums used for the loss itself; the update reports the loss instead.
 _NOT_AVERAGED = ("loss/sum", "entropy/sum", "loss/denominator")
@@ -100,13 +110,40 @@ class Policy:
             self.model, micro_batches, replay=replay, record_routing=mode.records_old_routing
         )
 
+    def engine_routing_mismatch(
+        self, micro_batches: list[PolicyMicroBatch], computed: list[OldPolicy]
+    ) -> dict[str, float]:
+        """How far the routing the old-policy pass recorded (`computed`) is from the engine's
+        that `micro_batches` carry, at the same weights: `routing/engine_mismatch_<unit>` for
+        each of ENGINE_MISMATCH_UNITS, the mean over this rank's micro-batches."""
+        each = [
+            _replay_drift(
+                micro,
+                ObservedRouting(old.routing, old.routing, []),
+                replaying=False,
+                layer_numbers=self.config.moe_layers,
+            )
+            for micro, old in zip(micro_batches, computed, strict=True)
+        ]
+        count = len(each)
+        return {
+            f"routing/engine_mismatch_{unit}": sum(m[f"routing/drift_{unit}"] for m in each) / count
+            for unit in ENGINE_MISMATCH_UNITS
+        }
+
     def update(
-        self, micro_batches: list[PolicyMicroBatch], spec: PolicyLossSpec, mode: RoutingReplayMode
+        self,
+        micro_batches: list[PolicyMicroBatch],
+        spec: PolicyLossSpec,
+        mode: RoutingReplayMode,
+        *,
+        probe_routing: bool = False,
     ) -> UpdateResult:
         """One optimizer step on the minibatch made of `micro_batches` (all DP ranks together),
         replaying their `routing` when `mode` replays. When they carry routing (recorded or
         replayed) the metrics include how far the routers' free choice has drifted from it,
-        and under replay how often the forward used other experts than the replayed ones.
+        and under replay how often the forward used other experts than the replayed ones; with
+        `probe_routing`, what the update changed (`_probe_after_update`).
 
         A non-finite loss or gradient norm skips the step (`step_if_finite`: the weights and the
         optimizer's state stay as they are) and says so in `skipped`; the loss, the gradient
@@ -119,11 +156,12 @@ class Policy:
         if self.replay is not None and micro_batches[-1].routing is not None:
             watch = self.replay.observe_routing()
         result = policy_forward_backward(self.model, micro_batches, spec, replay=replaying)
-        drift = {}
+        drift, before = {}, None
         if watch is not None:
+            before = watch()
             drift = _replay_drift(
                 micro_batches[-1],
-                watch(),
+                before,
                 replaying=replaying is not None,
                 layer_numbers=self.config.moe_layers,
             )
@@ -131,9 +169,74 @@ class Policy:
         step = step_if_finite(self.optimizer, loss=loss)
         if step.taken:
             self.scheduler.step(increment=1)
+            if probe_routing and before is not None:
+                drift |= self._probe_after_update(micro_batches[-1], before)
         return UpdateResult(
             loss=loss, grad_norm=step.grad_norm, skipped=not step.taken, metrics=metrics | drift
         )
+
+    def _probe_after_update(
+        self, micro_batch: PolicyMicroBatch, before: ObservedRouting
+    ) -> dict[str, float]:
+        """What one update changed, on the same micro-batch (the minibatch's last, this rank's)
+        forwarded again with the updated weights twice: routing freely, and with its `routing`
+        (the old policy's, or the engine's under R3) replayed:
+
+        - `routing/update_*`: `routing_drift` from the routing chosen before the update to the
+          routing chosen after it (`routing/update_activated_experts` is the papers' share of
+          activated experts that changed, per update; `routing/update_layer_<i>` is per layer);
+        - `routing/margin_*`: the top-k margins before the update (`margin_metrics`), with the
+          routes that flipped in the update counted per margin bucket;
+        - `routing/log_ratio_*_share`: routing's share of the token log-ratios against the old
+          log-probs (`routing_share_of_log_ratio`), when the micro-batch carries them.
+        """
+        replay = self._replay_for(RoutingReplayMode.R2, "the routing probe")
+        free = old_policy_pass(self.model, [micro_batch], replay=replay, record_routing=True)[0]
+        held = old_policy_pass(self.model, [micro_batch], replay=replay)[0]
+        device = before.free[0].device
+        chosen_before = join_stages(torch.stack(before.free, 1), dim=1)
+        chosen_after = join_stages(torch.stack(free.routing, 1).to(device), dim=1)
+        margins = join_stages(torch.stack(before.margins, 1), dim=1)
+        mask = micro_batch.loss_mask.transpose(0, 1).reshape(-1).to(device)
+        mask = mask if mask.numel() == len(chosen_before) else None
+        layers = self.config.moe_layers
+        change = routing_drift(chosen_before, chosen_after, mask, layers)
+        flipped = changed_routes(chosen_before, chosen_after)
+        metrics = {update_change_name(key): value for key, value in change.items()} | {
+            routing_metric_name(key): value
+            for key, value in margin_metrics(margins, flipped, mask, layers).items()
+        }
+        share = None
+        if parallel_state.is_pipeline_last_stage() and micro_batch.old_logp is not None:
+            share = routing_share_of_log_ratio(
+                free.logp, held.logp, micro_batch.old_logp, micro_batch.loss_mask
+            )
+        metrics |= from_last_stage(share) or {}
+        return {key: float(value) for key, value in metrics.items()}
+
+    def router_weights(self) -> list[Tensor]:
+        """A copy of this rank's routers' weights (its pipeline stage's MoE layers)."""
+        return [router.weight.detach().clone() for router in self._routers()]
+
+    def router_change(self, before: list[Tensor]) -> dict[str, float]:
+        """How far the routers moved since `before` (`router_weights`), over every pipeline
+        stage: `routing/router_weight_change` the Frobenius norm of the change of all router
+        weights together, `routing/router_weight_change_rel` that over the norm of `before`."""
+        squares = torch.zeros(2, dtype=torch.float64)
+        for router, old in zip(self._routers(), before, strict=True):
+            squares[0] += (router.weight.detach() - old).double().square().sum().cpu()
+            squares[1] += old.double().square().sum().cpu()
+        group = parallel_state.get_pipeline_model_parallel_group()
+        if dist.get_world_size(group) > 1:
+            squares = host_all_reduce(squares, group=group)
+        change, norm = squares.sqrt().tolist()
+        return {
+            "routing/router_weight_change": change,
+            "routing/router_weight_change_rel": change / norm if norm > 0 else 0.0,
+        }
+
+    def _routers(self) -> list[TopKRouter]:
+        return [m for m in self.model.module.modules() if isinstance(m, TopKRouter)]
 
     @property
     def learning_rate(self) -> float:

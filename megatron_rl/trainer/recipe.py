@@ -318,6 +318,12 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints and export."""
 
+    @property
+    def engine_returns_routing(self) -> bool:
+        """The rollout engine returns each token's experts: R3 replays them, and the routing
+        probe compares them with the trainer's."""
+        return self.algo.routing_replay.uses_engine_routing or self.metrics.routing_probe
+
     def validate(self) -> None:
         if self.parallel.cp > 1:
             raise ConfigError(
@@ -331,6 +337,12 @@ class Recipe:
             raise ConfigError(
                 "algo.routing_replay=r2 records routing in the trainer's old-policy forward, "
                 "which algo.mismatch=bypass skips; use r3 or another algo.mismatch"
+            )
+        if self.rollout.partial_rollouts and self.metrics.routing_probe:
+            raise ConfigError(
+                "metrics.routing_probe: the probe compares the engine's routing with the "
+                "trainer's, and a generation continued under new weights routes its prefix "
+                "again; use rollout.partial_rollouts=false"
             )
         if self.rollout.partial_rollouts and self.algo.routing_replay.uses_engine_routing:
             raise ConfigError(

@@ -41,12 +41,13 @@ def rollout_step(
     algo: AlgoConfig,
     data: DataConfig,
     seed: int,
+    return_routed_experts: bool = False,
 ) -> tuple[RolloutBatch | None, dict[str, float]]:
-    """`rollout.group_size` samples of each problem of `step`, scored by `verifier`; with
-    `rollout.dynamic_sampling` further rounds of problems until
-    `prompts_per_step` groups carry a gradient. Returns the batch (None when nothing is left to
-    train on) and the metrics: the first round's rollout metrics (the policy on the step's own
-    problems) and what was kept."""
+    """`rollout.group_size` samples of each problem of `step`, scored by `verifier` (each with
+    the engine's routing when `return_routed_experts`); with `rollout.dynamic_sampling` further
+    rounds of problems until `prompts_per_step` groups carry a gradient. Returns the batch
+    (None when nothing is left to train on) and the metrics: the first round's rollout metrics
+    (the policy on the step's own problems) and what was kept."""
     rounds = rollout.max_generation_rounds if rollout.dynamic_sampling else 1
     kept, metrics = _KeptGroups(rollout.group_size), {}
     for round_index in range(rounds):
@@ -61,9 +62,9 @@ def rollout_step(
             round_problems,
             verifier,
             rollout=rollout,
-            algo=algo,
             data=data,
             seed=seed if round_index == 0 else (seed << 8) + round_index,
+            return_routed_experts=return_routed_experts,
         )
         if round_index == 0:
             metrics = rollouts.metrics
@@ -151,9 +152,9 @@ def _scored_rollouts(
     verifier: Verifier,
     *,
     rollout: RolloutConfig,
-    algo: AlgoConfig,
     data: DataConfig,
     seed: int,
+    return_routed_experts: bool,
 ) -> Rollouts:
     """The samples of `problems` with their rewards, the overlong penalty added."""
     rollouts = collect_rollouts(
@@ -165,7 +166,7 @@ def _scored_rollouts(
         group_size=rollout.group_size,
         seed=seed,
         reward_timeout_s=data.reward_timeout_s,
-        return_routed_experts=algo.routing_replay.uses_engine_routing,
+        return_routed_experts=return_routed_experts,
     )
     if not rollout.overlong_buffer:
         return rollouts

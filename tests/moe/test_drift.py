@@ -45,10 +45,15 @@ def test_hand_built_drift():
     assert float(metrics["drift/jaccard"]) == pytest.approx((1 + 1 + 1 / 3 + 1 + 0 + 1 / 3) / 6)
     assert float(metrics["drift/layer/0"]) == pytest.approx(2 / 3)
     assert float(metrics["drift/layer/1"]) == pytest.approx(1 / 3)
+    # the papers' share of activated experts no longer chosen: 0, 1/2, 0, 0, 2/2, 1/2 of top-2
+    assert float(metrics["drift/activated_experts"]) == pytest.approx((0.5 + 1 + 0.5) / 6)
+    assert float(metrics["drift/activated_layer/0"]) == pytest.approx((0.5 + 1) / 3)
+    assert float(metrics["drift/activated_layer/1"]) == pytest.approx(0.5 / 3)
     # a mask keeps only the tokens that count (e.g. response tokens)
     masked = routing_drift(old, new, mask=torch.tensor([True, True, False]))
     assert float(masked["drift/token_layer"]) == pytest.approx(1 / 4)
     assert float(masked["drift/layer/1"]) == 0
+    assert float(masked["drift/activated_experts"]) == pytest.approx(0.5 / 4)
 
 
 def test_bytes_and_bad_input():

@@ -28,7 +28,7 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.trainer import policy as policy_module
-from megatron_rl.trainer.batches import build_rollout_batch, micro_batches
+from megatron_rl.trainer.batches import EngineRouting, build_rollout_batch, micro_batches
 from megatron_rl.trainer.learner import learn, step_advantages
 from megatron_rl.trainer.metrics import StepTimer
 from megatron_rl.trainer.optimizer_config import OptimConfig
@@ -432,3 +432,96 @@ def _tensors(tree: object, where: str = ""):
     elif isinstance(tree, list | tuple):
         for index, value in enumerate(tree):
             yield from _tensors(value, f"{where}/{index}")
+
+
+def routing_probe(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
+    """The routing probe on a DeepSeek-V3-shaped model (sigmoid router with a score-correction
+    bias): the routing and margins before an "update" that raises the last MoE layer's bias of
+    experts 0 and 1 by 10 (routing changes there, the gate weights of any given experts do not),
+    the probe's metrics after it, and what they must be, computed here from the routing before;
+    then a real update with the probe on, the routers' change, and the engine-vs-trainer routing
+    mismatch of the float32 engine (whose routing is the trainer's) and of a copy with one
+    (token, layer) changed by hand."""
+    dims = ParallelDims(world_size=launch.world_size)
+    init_distributed(dims, launch, seed=5)
+    policy = Policy(ModelConfig(hf_path=hf_dir), dims, OptimConfig(lr=1e-3))
+    engine = LocalEngine.from_pretrained(hf_dir)
+    codec = PromptCodec(hf_dir, max_prompt_tokens=64)
+    problems = ArithmeticTask().problems("train", 4, seed=3)
+    params = SamplingParams(max_new_tokens=32, stop_token_ids=codec.stop_token_ids)
+    groups = engine.generate(
+        [codec.encode_prompt(p.prompt) for p in problems], params, n=2, return_routed_experts=True
+    )
+    batch = build_rollout_batch(
+        [s for g in groups for s in g],
+        torch.tensor([float(i % 2) for i in range(8)]),
+        group_size=2,
+        pad_id=0,
+        newline_token_ids=codec.newline_token_ids,
+    )
+    config = policy.config
+    engine_routing = EngineRouting(
+        num_layers=config.num_layers,
+        moe_layers=tuple(config.moe_layers),
+        stage_layers=tuple(policy.replay.layer_numbers),
+        topk=config.router_topk,
+    )
+    (with_engine,) = micro_batches(
+        batch,
+        list(range(8)),
+        dp_rank=0,
+        dp_size=1,
+        micro_batch_size=8,
+        engine_routing=engine_routing,
+    )
+    mode = RoutingReplayMode.R2
+    watch = policy.replay.observe_routing()
+    (old,) = policy.old_policy([with_engine], mode)
+    before = watch()
+    mismatch = policy.engine_routing_mismatch([with_engine], [old])
+    flipped_one = [layer.clone() for layer in old.routing]
+    flipped_one[-1][_first_response_token(with_engine)] = (
+        flipped_one[-1][_first_response_token(with_engine)].flip(0) + 100
+    )  # experts no model has: the whole set differs at one (token, layer)
+    mismatch_one = policy.engine_routing_mismatch(
+        [with_engine], [replace(old, routing=flipped_one)]
+    )
+    micro = replace(with_engine, old_logp=old.logp, routing=old.routing)
+    router = policy._routers()[-1]
+    with torch.no_grad():
+        router.expert_bias[:2] += 10.0
+    probed = policy._probe_after_update(micro, before)
+    with torch.no_grad():
+        router.expert_bias[:2] -= 10.0
+    mask = micro.loss_mask.transpose(0, 1).reshape(-1)
+    last_before = before.free[-1][mask]
+    kept = (last_before[:, :, None] == torch.tensor([0, 1])).any(-1).sum(-1)  # [tokens]
+    expected = {
+        "layer": float((kept < 2).float().mean()),
+        "activated": float(((2 - kept) / 2).float().mean()),
+        "flips": float((kept < 2).sum()),
+    }
+    advantages = step_advantages(batch, AlgoConfig())
+    micro = replace(micro, advantages=advantages)
+    routers = policy.router_weights()
+    update = policy.update(
+        [micro], PolicyLossSpec.of("grpo", clip_low=0.2, clip_high=0.2), mode, probe_routing=True
+    )
+    return {
+        "probed": probed,
+        "expected": expected,
+        "moe_layers": list(config.moe_layers),
+        "tokens": int(mask.sum()),
+        "mismatch": mismatch,
+        "mismatch_one": mismatch_one,
+        "update": update.metrics,
+        "router_change": policy.router_change(routers),
+        "unchanged": policy.router_change(policy.router_weights()),
+    }
+
+
+def _first_response_token(micro) -> int:
+    """The router-order index (position-major) of the first response token of row 0."""
+    batch = micro.tokens.shape[0]
+    position = int(micro.loss_mask[0].nonzero()[0])
+    return position * batch

@@ -128,3 +128,48 @@ def test_a_step_that_kept_one_row_takes_one_update(world_size):
     metrics = run_on_ranks(policy_worker.one_row_step, TINY_MODEL, world_size=world_size)[0]
     assert metrics["steps/updates"] == 1 and metrics["steps/skipped"] == 0
     assert math.isfinite(metrics["loss/policy"]) and metrics["grad_norm"] > 0
+
+
+def test_the_routing_probe_measures_a_known_change_of_routing():
+    # A DeepSeek-V3-shaped model: raising the selection bias of experts 0 and 1 in the last MoE
+    # layer changes the routing there and nowhere else, and not the weight of any given expert.
+    deepseek = str(Path(TINY_MODEL).parent / "tiny_deepseek_v3")
+    (result,) = run_on_ranks(policy_worker.routing_probe, deepseek, world_size=1)
+    probed, expected = result["probed"], result["expected"]
+    *earlier, last = result["moe_layers"]
+    assert 0 < expected["layer"] < 1 and expected["activated"] > 0  # some routes already {0, 1}
+    assert probed[f"routing/update_layer_{last}"] == pytest.approx(expected["layer"], abs=1e-6)
+    assert probed[f"routing/update_activated_layer_{last}"] == pytest.approx(
+        expected["activated"], abs=1e-6
+    )
+    for layer in earlier:
+        assert probed[f"routing/update_layer_{layer}"] == 0
+    layers = len(result["moe_layers"])
+    assert probed["routing/update_activated_experts"] == pytest.approx(
+        expected["activated"] / layers, abs=1e-6
+    )
+    # every (token, layer) is counted in one margin bucket; the flips are the last layer's
+    routes = sum(v for k, v in probed.items() if k.startswith("routing/margin_routes_"))
+    flips = sum(v for k, v in probed.items() if k.startswith("routing/margin_flips_"))
+    assert routes == result["tokens"] * layers
+    assert flips == expected["flips"]
+    assert 0 <= probed["routing/margin_near_tie"] <= 1 and probed["routing/margin_median"] > 0
+    # with the old routing replayed the log-probs are the old ones: routing is all of the ratio
+    assert probed["routing/log_ratio_var_share"] == pytest.approx(1, abs=1e-6)
+    assert probed["routing/log_ratio_abs_share"] == pytest.approx(1, abs=1e-6)
+    # the float32 engine routes as the trainer does; one changed (token, layer) counts once
+    assert all(value == 0 for value in result["mismatch"].values())
+    one = result["mismatch_one"]
+    assert one["routing/engine_mismatch_token_layer"] == pytest.approx(
+        1 / (result["tokens"] * layers)
+    )
+    assert one["routing/engine_mismatch_activated_experts"] == pytest.approx(
+        1 / (result["tokens"] * layers)
+    )
+    assert one["routing/engine_mismatch_token_any"] == pytest.approx(1 / result["tokens"])
+    # a real update with the probe: its metrics, and the routers moved
+    update = result["update"]
+    assert 0 <= update["routing/update_activated_experts"] <= update["routing/update_token_layer"]
+    assert result["router_change"]["routing/router_weight_change"] > 0
+    assert 0 < result["router_change"]["routing/router_weight_change_rel"] < 1
+    assert result["unchanged"]["routing/router_weight_change"] == 0
