@@ -120,7 +120,7 @@ def r2_matches_forced_routing(launch: LaunchEnv, model_name: str) -> dict:
 
     stop = replay.observe_routing()
     replayed = policy_forward_backward(ddp, [batch], GRPO, replay=replay)
-    free, used = stop()
+    free, used, _ = stop()
     grads = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}
 
     # reference: same weights, routing forced by replacing the routers' routing function
@@ -189,7 +189,7 @@ def replay_at_layout(launch: LaunchEnv, layout: dict, model_name: str = "qwen3_l
     _perturb_routers(model)
     stop = replay.observe_routing()
     step = policy_forward_backward(ddp, batches, GRPO, replay=replay)
-    free, used = stop()  # the last micro-batch's forward
+    free, used, _ = stop()  # the last micro-batch's forward
     return {
         "drift_used": float(routing_drift(_stack(recorded), _stack(used))["drift/token_layer"]),
         "drift_free": float(routing_drift(_stack(recorded), _stack(free))["drift/token_layer"]),
