@@ -31,6 +31,10 @@ class OptimConfig:
     distributed optimizer): each rank keeps 1/DP of the optimizer state. Used only when the
     layout has data-parallel copies (dp * cp > 1 or edp > 1). Off: every data-parallel rank
     keeps all of it."""
+    freeze_router: bool = False
+    """Leave the MoE routers' weights out of training (the expert-bias of sigmoid routers is
+    not a weight: model.router_bias_update_rate moves it). Routing still changes as the layers
+    below the router change; the drift harness's `grpo_frozen_router` arm measures how much."""
 
     def validate(self) -> None:
         check_positive("optim", self, "lr", "clip_grad", "adam_eps")

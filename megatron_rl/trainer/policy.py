@@ -87,6 +87,10 @@ class Policy:
             model, dims, routing_replay=routing_replay
         )
         self.replay = RoutingReplay(chunk) if routing_replay else None
+        if optim.freeze_router:
+            # before the DDP wrapper and the optimizer, which take the trainable weights only
+            for router in _routers(chunk):
+                router.weight.requires_grad_(False)
         # With no data-parallel copies the distributed optimizer has nothing to shard and takes
         # the plain optimizer's steps, with parameter gathers on top.
         distributed = optim.distributed_optimizer and dims.replicates_weights
@@ -216,14 +220,14 @@ class Policy:
 
     def router_weights(self) -> list[Tensor]:
         """A copy of this rank's routers' weights (its pipeline stage's MoE layers)."""
-        return [router.weight.detach().clone() for router in self._routers()]
+        return [router.weight.detach().clone() for router in _routers(self.model.module)]
 
     def router_change(self, before: list[Tensor]) -> dict[str, float]:
         """How far the routers moved since `before` (`router_weights`), over every pipeline
         stage: `routing/router_weight_change` the Frobenius norm of the change of all router
         weights together, `routing/router_weight_change_rel` that over the norm of `before`."""
         squares = torch.zeros(2, dtype=torch.float64)
-        for router, old in zip(self._routers(), before, strict=True):
+        for router, old in zip(_routers(self.model.module), before, strict=True):
             squares[0] += (router.weight.detach() - old).double().square().sum().cpu()
             squares[1] += old.double().square().sum().cpu()
         group = parallel_state.get_pipeline_model_parallel_group()
@@ -234,9 +238,6 @@ class Policy:
             "routing/router_weight_change": change,
             "routing/router_weight_change_rel": change / norm if norm > 0 else 0.0,
         }
-
-    def _routers(self) -> list[TopKRouter]:
-        return [m for m in self.model.module.modules() if isinstance(m, TopKRouter)]
 
     @property
     def learning_rate(self) -> float:
@@ -293,6 +294,11 @@ def load_model_chunk(
     )
     source.checkpoint.close()
     return source.family, source.config, chunk
+
+
+def _routers(model: torch.nn.Module) -> list[TopKRouter]:
+    """The MoE routers of `model` (this rank's chunk), in layer order."""
+    return [module for module in model.modules() if isinstance(module, TopKRouter)]
 
 
 def _replay_drift(

@@ -487,7 +487,7 @@ def routing_probe(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
         [with_engine], [replace(old, routing=flipped_one)]
     )
     micro = replace(with_engine, old_logp=old.logp, routing=old.routing)
-    router = policy._routers()[-1]
+    router = policy_module._routers(policy.model.module)[-1]
     with torch.no_grad():
         router.expert_bias[:2] += 10.0
     probed = policy._probe_after_update(micro, before)
@@ -504,9 +504,11 @@ def routing_probe(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
     advantages = step_advantages(batch, AlgoConfig())
     micro = replace(micro, advantages=advantages)
     routers = policy.router_weights()
-    update = policy.update(
-        [micro], PolicyLossSpec.of("grpo", clip_low=0.2, clip_high=0.2), mode, probe_routing=True
-    )
+    grpo = PolicyLossSpec.of("grpo", clip_low=0.2, clip_high=0.2)
+    update = policy.update([micro], grpo, mode, probe_routing=True)
+    frozen = Policy(ModelConfig(hf_path=hf_dir), dims, OptimConfig(lr=1e-3, freeze_router=True))
+    frozen_routers = frozen.router_weights()
+    frozen_update = frozen.update([micro], grpo, mode, probe_routing=True)
     return {
         "probed": probed,
         "expected": expected,
@@ -517,6 +519,8 @@ def routing_probe(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
         "update": update.metrics,
         "router_change": policy.router_change(routers),
         "unchanged": policy.router_change(policy.router_weights()),
+        "frozen_change": frozen.router_change(frozen_routers),
+        "frozen_update": frozen_update.metrics | {"grad_norm": frozen_update.grad_norm},
     }
 
 

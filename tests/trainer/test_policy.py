@@ -173,3 +173,7 @@ def test_the_routing_probe_measures_a_known_change_of_routing():
     assert result["router_change"]["routing/router_weight_change"] > 0
     assert 0 < result["router_change"]["routing/router_weight_change_rel"] < 1
     assert result["unchanged"]["routing/router_weight_change"] == 0
+    # optim.freeze_router: the routers stay, the rest learns, and the routing still moves
+    assert result["frozen_change"]["routing/router_weight_change"] == 0
+    assert result["frozen_update"]["grad_norm"] > 0
+    assert result["frozen_update"]["routing/update_token_layer"] > 0
