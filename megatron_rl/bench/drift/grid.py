@@ -44,6 +44,7 @@ _ALGO_DEFAULTS = {
     "algo.mismatch_level": None,
     "algo.mismatch_lower": None,
     "algo.mismatch_upper": None,
+    "optim.freeze_router": False,
 }
 BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     "grpo": {"algo.loss": "grpo", "algo.routing_replay": "none"},
@@ -57,7 +58,24 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     },
     "gspo_token": {"algo.loss": "gspo_token", "algo.routing_replay": "none"},
     "sspo": {"algo.loss": "sspo", "algo.routing_replay": "none"},
+    # what peers' example configs do without saying: the routers are not trained
+    "grpo_frozen_router": {
+        "algo.loss": "grpo",
+        "algo.routing_replay": "none",
+        "optim.freeze_router": True,
+    },
+    # the mismatch corrections of the train-vs-engine studies
+    "grpo_tis": {"algo.loss": "grpo", "algo.routing_replay": "none", "algo.mismatch": "tis"},
+    "grpo_mis_geometric": {
+        "algo.loss": "grpo",
+        "algo.routing_replay": "none",
+        "algo.mismatch": "mis",
+        "algo.mismatch_level": "geometric",
+    },
 }
+
+# The arms of the first grid (docs/benchmarks/drift), before the papers' regime was sought.
+ORIGINAL_ARMS = ("grpo", "grpo_r2", "grpo_r3", "gspo", "gspo_engine_logp", "gspo_token", "sspo")
 
 SHAPE_FIELDS = ("base_model.layers", "base_model.experts", "base_model.topk")
 # What the default CPU grid costs: ~1.2 s per step of the tiny recipe on one thread, so a
@@ -72,8 +90,9 @@ DEFAULT_GRID: dict[str, Any] = {
         "checkpoint.export_hf": False,
         "metrics.console": False,
         "metrics.wandb": "disabled",
+        "metrics.routing_probe": True,
     },
-    "arms": dict.fromkeys(BUILTIN_ARMS),
+    "arms": dict.fromkeys(ORIGINAL_ARMS),
     "sweeps": [
         {
             "name": "off_policy",
@@ -170,7 +189,7 @@ def load_grid(
     base_recipe = load_config(Recipe, recipe_path, list(overrides))
     seeds = _int_list(raw.get("seeds", [1, 2, 3]), "seeds")
     common = _mapping(raw.get("set", {}), "set")
-    arms = _arms(raw.get("arms", dict.fromkeys(BUILTIN_ARMS)))
+    arms = _arms(raw.get("arms", dict.fromkeys(ORIGINAL_ARMS)))
     sweeps = [_sweep(entry, index, arms) for index, entry in enumerate(raw.get("sweeps", []))]
     launcher = raw.get("launcher", [])
     if not isinstance(launcher, list) or not all(isinstance(part, str) for part in launcher):

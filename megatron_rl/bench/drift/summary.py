@@ -25,6 +25,7 @@ from typing import Any
 from megatron_rl.bench.drift.grid import DriftGrid, PlannedRun
 from megatron_rl.bench.drift.runner import CRASHED, read_status
 from megatron_rl.files.atomic import write_text_atomic
+from megatron_rl.moe.margins import bucket_names
 
 ACCURACY_DROP = 0.15
 RECOVERY_EVALS = 2
@@ -36,8 +37,22 @@ STEP_MEANS = {
     "drift_token_layer": "routing/drift_token_layer",
     "drift_token_any": "routing/drift_token_any",
     "drift_jaccard": "routing/drift_jaccard",
+    "drift_activated": "routing/drift_activated_experts",
+    # metrics.routing_probe: what one update changed, on the same micro-batch before and after
+    "update_activated": "routing/update_activated_experts",
+    "update_token_layer": "routing/update_token_layer",
+    "update_token_any": "routing/update_token_any",
+    "margin_median": "routing/margin_median",
+    "near_tie": "routing/margin_near_tie",
+    "log_ratio_var_share": "routing/log_ratio_var_share",
+    "log_ratio_abs_share": "routing/log_ratio_abs_share",
+    "router_weight_change": "routing/router_weight_change",
+    "router_weight_change_rel": "routing/router_weight_change_rel",
     "replay_miss_max": "routing/replay_miss_token_layer",
     "engine_routing_mismatch": "routing/engine_mismatch_token_layer",
+    "engine_routing_mismatch_activated": "routing/engine_mismatch_activated_experts",
+    "engine_routing_mismatch_token_any": "routing/engine_mismatch_token_any",
+    "entropy": "entropy/mean",
     "clip_frac_token": "clip_frac/token",
     "clip_frac_seq": "clip_frac/seq",
     "log_ratio_std": "log_ratio/std",
@@ -136,12 +151,34 @@ def summarize_run(
         combine = max if column in _STEP_MAXIMA else statistics.fmean
         row[column] = combine(values) if values else None
     row["learn_s_per_1k_tokens"] = _learn_seconds_per_1k_tokens(steps)
-    prefix = "routing/drift_layer_"
+    for column, prefix in PER_LAYER_MEANS.items():
+        row |= _per_layer_means(steps, prefix, column)
+    if any("routing/margin_median" in r for r in steps):  # the run had metrics.routing_probe
+        for bucket in bucket_names():
+            routes = sum(r.get(f"routing/margin_routes_{bucket}") or 0 for r in steps)
+            flips = sum(r.get(f"routing/margin_flips_{bucket}") or 0 for r in steps)
+            row[f"routes_{bucket}"] = routes
+            row[f"flip_rate_{bucket}"] = flips / routes if routes else None
+    return row
+
+
+# summary column prefix -> the per-step metric prefix of each layer's value (`..._<layer>`)
+PER_LAYER_MEANS = {
+    "drift_layer_": "routing/drift_layer_",
+    "update_activated_layer_": "routing/update_activated_layer_",
+    "near_tie_layer_": "routing/margin_near_tie_layer_",
+}
+
+
+def _per_layer_means(steps: list[dict[str, Any]], prefix: str, column: str) -> dict[str, float]:
+    """`column<i>`: the mean over steps of metric `prefix<i>`, for every layer i that has it."""
     layers = sorted({int(key[len(prefix) :]) for r in steps for key in r if key.startswith(prefix)})
+    means = {}
     for layer in layers:
         values = [r[f"{prefix}{layer}"] for r in steps if r.get(f"{prefix}{layer}") is not None]
-        row[f"drift_layer_{layer}"] = statistics.fmean(values) if values else None
-    return row
+        if values:
+            means[f"{column}{layer}"] = statistics.fmean(values)
+    return means
 
 
 def _learn_seconds_per_1k_tokens(steps: list[dict[str, Any]]) -> float | None:

@@ -22,7 +22,8 @@ from tests.trainer.run_cli import RECIPE, SHORT_RUN
 
 TINY = {
     "seeds": [1],
-    "set": dict(item.split("=", 1) for item in SHORT_RUN) | {"run.eval_every": 1},
+    "set": dict(item.split("=", 1) for item in SHORT_RUN)
+    | {"run.eval_every": 1, "metrics.routing_probe": True},
     "arms": {
         "grpo_r2": None,
         "gspo": None,
@@ -54,6 +55,17 @@ def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
         assert float(rows[arm]["drift_token_layer"]) >= 0
         assert (out / "runs" / f"{arm}--base--seed1" / "recipe.yaml").is_file()
     assert float(rows["grpo_r2"]["replay_miss_max"]) == 0.0
+    for arm in ("grpo_r2", "gspo"):  # the routing probe's columns
+        row = rows[arm]
+        assert 0 <= float(row["update_activated"]) <= float(row["update_token_layer"]) <= 1
+        # the float32 engine routes exactly as the trainer: the zero-mismatch oracle
+        assert float(row["engine_routing_mismatch"]) == 0.0
+        assert float(row["engine_routing_mismatch_activated"]) == 0.0
+        assert float(row["router_weight_change"]) > 0
+        assert float(row["margin_median"]) > 0
+        routes = [k for k in row if k.startswith("routes_")]
+        assert len(routes) == 4 and sum(float(row[k]) for k in routes) > 0
+        assert "update_activated_layer_3" in row and "near_tie_layer_0" in row
     # the recipe's own choice of old log-probs, not the retired use_engine_logprobs
     assert rows["gspo"]["mismatch"] == "none" and "use_engine_logprobs" not in rows["gspo"]
     text = report.read_text()
