@@ -49,6 +49,8 @@ def _round_e4m3(values: Tensor, amax: Tensor) -> Tensor:
     a group whose amax is 0 is all zeros and stays so."""
     scale = amax / E4M3_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    # torch's cast saturates at 448 as well; the clamp makes it independent of that (and is
+    # what SGLang's quantisation kernels do).
     scaled = (values / scale).clamp(-E4M3_MAX, E4M3_MAX)
     return scaled.to(torch.float8_e4m3fn).to(torch.float32) * scale
 
