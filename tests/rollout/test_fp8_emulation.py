@@ -162,13 +162,14 @@ def _token_ids(text: str) -> list[int]:
 
 
 @pytest.mark.timeout(120)
-def test_the_engine_holds_quantised_weights_at_load_and_after_a_sync(tmp_path):
-    tensors = load_file(TINY / "model.safetensors")
+@pytest.mark.parametrize("model", [TINY, TINY.parent / "tiny_deepseek_v3"], ids=lambda p: p.name)
+def test_the_engine_holds_quantised_weights_at_load_and_after_a_sync(tmp_path, model):
+    tensors = load_file(model / "model.safetensors")
     quantised = {name for name, tensor in tensors.items() if _is_linear_weight(name, tensor)}
-    assert {"model.layers.0.mlp.gate.weight", "model.layers.3.mlp.experts.7.down_proj.weight"} <= (
+    assert {"model.layers.3.mlp.gate.weight", "model.layers.3.mlp.experts.7.down_proj.weight"} <= (
         quantised
     )
-    engine = LocalEngine.from_pretrained(TINY, emulate_fp8=True)
+    engine = LocalEngine.from_pretrained(model, emulate_fp8=True)
     assert engine._names.fp8_names == quantised
     _check_weights(engine, tensors)
     generator = torch.Generator().manual_seed(0)
@@ -180,7 +181,7 @@ def test_the_engine_holds_quantised_weights_at_load_and_after_a_sync(tmp_path):
     with ExitStack() as stack:
         rollout = RolloutConfig(engine_dtype="float8_emulated")
         built = open_engine(
-            rollout, str(TINY), tmp_path, stack, routing_shape=(4, 2), routed_experts=False
+            rollout, str(model), tmp_path, stack, routing_shape=(4, 2), routed_experts=False
         )
         _check_weights(built, tensors)
 
