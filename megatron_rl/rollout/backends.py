@@ -37,12 +37,16 @@ def open_engine(
         routed_experts: the run needs the engine's routing (R3).
     """
     if rollout.backend == "local":
-        dtype = getattr(torch, rollout.engine_dtype)
+        # float8_emulated: float32 weights and matmuls, operands rounded to e4m3.
+        emulate_fp8 = rollout.engine_dtype == "float8_emulated"
+        engine_options = {
+            "max_batch_size": rollout.max_batch_size,
+            "dtype": torch.float32 if emulate_fp8 else getattr(torch, rollout.engine_dtype),
+            "emulate_fp8": emulate_fp8,
+        }
         if not rollout.local_process:
-            return LocalEngine.from_pretrained(
-                hf_path, max_batch_size=rollout.max_batch_size, dtype=dtype
-            )
-        engine = LocalEngineProcess(hf_path, max_batch_size=rollout.max_batch_size, dtype=dtype)
+            return LocalEngine.from_pretrained(hf_path, **engine_options)
+        engine = LocalEngineProcess(hf_path, **engine_options)
         stack.callback(engine.close)
         return engine
     config = rollout.sglang

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from megatron_rl.config import ConfigError, check_positive
 from megatron_rl.rollout.sglang.config import SGLangConfig
+
+EngineDtype = Literal["float32", "bfloat16", "float8_emulated"]
+"""The local engine's precisions (RolloutConfig.engine_dtype)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,9 +35,12 @@ class RolloutConfig:
     """Run the local engine in a child process of its own (no GIL shared with the trainer;
     weights and samples go over shared memory) rather than in the trainer's rank-0 process
     (docs/training.md, Asynchronous rollouts)."""
-    engine_dtype: Literal["float32", "bfloat16"] = "float32"
+    engine_dtype: EngineDtype = "float32"
     """The local engine's weights and activations: bfloat16 makes its probabilities differ from
-    a float32 trainer's as a production engine's do (SGLang's own: rollout.sglang.dtype)."""
+    a float32 trainer's as a production engine's do (SGLang's own: rollout.sglang.dtype);
+    float8_emulated rounds every linear layer's weights (128x128 blocks) and inputs (per token,
+    groups of 128), routers included, to FP8 e4m3 as FP8 engines do, computing in float32
+    (megatron_rl.rollout.fp8_emulation)."""
     sync_bucket_mb: int = 512
     """Weight sync bucket size in MiB (tensors per transfer)."""
     probe_every: int = 1
@@ -76,6 +82,11 @@ class RolloutConfig:
             "sync_bucket_mb",
             "probe_tolerance",
         )
+        if self.engine_dtype not in get_args(EngineDtype):  # a config built in code
+            raise ConfigError(
+                f"rollout.engine_dtype: expected one of {', '.join(get_args(EngineDtype))}, "
+                f"got {self.engine_dtype!r}"
+            )
         if self.max_staleness < 0:
             raise ConfigError(
                 f"rollout.max_staleness: expected >= 0 (0: lock-step), got {self.max_staleness}"

@@ -9,6 +9,10 @@ layout (it lives on one rank while the trainer is split by EP or TP) and runs on
 Weights arrive under their checkpoint names (per-expert tensors); transformers 5 keeps experts
 fused in memory. The map from checkpoint names to memory comes from transformers' own reverse
 conversion, applied once to tensors that hold each parameter element's flat index.
+
+With `emulate_fp8` the engine rounds its linear layers' weights and inputs to FP8 e4m3 as FP8
+rollout engines do (megatron_rl.rollout.fp8_emulation says what is quantised and what is not);
+weights are quantised per checkpoint tensor, at load and at every weight update.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from megatron_rl.rollout.engine import (
     WeightBucket,
     check_generate_request,
 )
+from megatron_rl.rollout.fp8_emulation import Fp8Emulation, quantize_weight_blocks
 
 
 class WeightUpdateError(ValueError):
@@ -55,6 +60,20 @@ class _CheckpointNameMap:
         for ckpt_name, flat in revert_weight_conversion(model, index_state).items():
             owner = owners[int(torch.searchsorted(bounds, flat.min(), right=True)) - 1][0]
             self.targets[ckpt_name] = (params[owner], flat - offsets[owner])
+        self.fp8_names: set[str] = set()  # tensors written rounded to e4m3 (fp8 emulation)
+
+    def quantize(self, weights: Iterable[Tensor]) -> None:
+        """From now on, write the checkpoint tensors that land in `weights` rounded to e4m3 in
+        128x128 blocks (each expert's tensor apart), and round those already there."""
+        owners = {id(weight) for weight in weights}
+        self.fp8_names = {n for n, (param, _) in self.targets.items() if id(param) in owners}
+        for name in self.fp8_names:
+            self.copy(name, self.read(name))
+
+    def read(self, name: str) -> Tensor:
+        """The engine's tensor of checkpoint name `name`, a copy in its checkpoint shape."""
+        param, index = self.targets[name]
+        return param.detach().view(-1)[index.reshape(-1)].view(index.shape).clone()
 
     def copy(self, name: str, tensor: Tensor) -> None:
         if name not in self.targets:
@@ -65,6 +84,8 @@ class _CheckpointNameMap:
                 f"weight {name!r}: shape {list(tensor.shape)}, the engine expects "
                 f"{list(index.shape)}"
             )
+        if name in self.fp8_names:
+            tensor = quantize_weight_blocks(tensor)
         param.data.view(-1)[index.reshape(-1)] = tensor.reshape(-1).to(param.dtype)
 
 
@@ -202,13 +223,22 @@ class LocalEngine:
             are float32 whatever its dtype: the logits are upcast before the softmax, as
             SGLang does.
         max_batch_size: sequences generated together; larger requests run in chunks.
+        emulate_fp8: round the linear layers' weights (now and at every update) and their
+            inputs to e4m3 as an FP8 engine does (fp8_emulation; the model must be float32).
     """
 
-    def __init__(self, model: PreTrainedModel, *, max_batch_size: int = 256) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, max_batch_size: int = 256, emulate_fp8: bool = False
+    ) -> None:
         self.model = model.eval()
         self.max_batch_size = max_batch_size
         self._names = _CheckpointNameMap(self.model)
         self._routers = [m for m in self.model.modules() if type(m).__name__.endswith("Router")]
+        if emulate_fp8:
+            kept = [self.model.get_input_embeddings(), self.model.get_output_embeddings()]
+            emulation = Fp8Emulation(self.model, routers=self._routers, unquantised=kept)
+            with torch.no_grad():
+                self._names.quantize(emulation.weights)
         # MoE models may be configured to return router logits for an aux loss; not needed here.
         self._extra_inputs = (
             {"output_router_logits": False}
@@ -221,12 +251,18 @@ class LocalEngine:
 
     @classmethod
     def from_pretrained(
-        cls, hf_dir: str | Path, *, max_batch_size: int = 256, dtype: torch.dtype = torch.float32
+        cls,
+        hf_dir: str | Path,
+        *,
+        max_batch_size: int = 256,
+        dtype: torch.dtype = torch.float32,
+        emulate_fp8: bool = False,
     ) -> LocalEngine:
         """An engine on the Hugging Face checkpoint in `hf_dir` (config.json + safetensors), its
-        weights in `dtype` (synced weights are cast to it too)."""
+        weights in `dtype` (synced weights are cast to it too), rounded to e4m3 with
+        `emulate_fp8` (dtype float32)."""
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
-        return cls(model, max_batch_size=max_batch_size)
+        return cls(model, max_batch_size=max_batch_size, emulate_fp8=emulate_fp8)
 
     @property
     def weight_version(self) -> int:
@@ -245,8 +281,9 @@ class LocalEngine:
         return self._gate.pause_pending
 
     def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        """Copy every tensor of `buckets` in; all of the model's tensors must come. A generation
-        in flight waits meanwhile and goes on with the new weights."""
+        """Copy every tensor of `buckets` in (rounded to e4m3 where the engine emulates FP8);
+        all of the model's tensors must come. A generation in flight waits meanwhile and goes
+        on with the new weights."""
         seen: set[str] = set()
         self._healthy = False  # until the update is complete
         with self._gate.paused(), torch.no_grad():

@@ -38,14 +38,20 @@ class LocalEngineProcess:
     the RolloutEngine and PausableEngine interfaces, answered by the child."""
 
     def __init__(
-        self, hf_dir: str | Path, *, max_batch_size: int = 256, dtype: torch.dtype = torch.float32
+        self,
+        hf_dir: str | Path,
+        *,
+        max_batch_size: int = 256,
+        dtype: torch.dtype = torch.float32,
+        emulate_fp8: bool = False,
     ) -> None:
         context = torch.multiprocessing.get_context("spawn")
         self._generation, generation_end = context.Pipe()
         self._control, control_end = context.Pipe()
+        engine_args = (str(hf_dir), max_batch_size, dtype, emulate_fp8)
         self._process = context.Process(
             target=_serve,
-            args=(os.getpid(), generation_end, control_end, str(hf_dir), max_batch_size, dtype),
+            args=(os.getpid(), generation_end, control_end, *engine_args),
             name="local-engine",
             daemon=True,
         )
@@ -146,6 +152,7 @@ def _serve(
     hf_dir: str,
     max_batch_size: int,
     dtype: torch.dtype,
+    emulate_fp8: bool,
 ) -> None:
     """The child: the engine, the generation pipe served on a thread, the control pipe here."""
     die_with_parent(parent_pid)
@@ -154,7 +161,9 @@ def _serve(
     # No loading bar: its monitor thread (and tqdm's multiprocessing lock) would outlive the
     # serving threads.
     transformers.utils.logging.disable_progress_bar()
-    engine = LocalEngine.from_pretrained(hf_dir, max_batch_size=max_batch_size, dtype=dtype)
+    engine = LocalEngine.from_pretrained(
+        hf_dir, max_batch_size=max_batch_size, dtype=dtype, emulate_fp8=emulate_fp8
+    )
     generating = threading.Thread(target=_answer_requests, args=(engine, generation))
     generating.start()
     _answer_requests(engine, control)
