@@ -67,6 +67,24 @@ class PolicyMicroBatch:
         moved = {item.name: _on_device(getattr(self, item.name), device) for item in fields(self)}
         return PolicyMicroBatch(**moved)
 
+    def first_rows(self, count: int) -> PolicyMicroBatch:
+        """This padded micro-batch cut to its first `count` rows (itself when it has no more):
+        per-row and per-token tensors keep those rows, `routing` those rows' tokens."""
+        batch = self.tokens.shape[0]
+        if count >= batch:
+            return self
+        if self.cu_seqlens is not None:
+            raise ValueError("first_rows: a packed micro-batch is one row of many sequences")
+
+        def cut(value: Tensor | list[Tensor] | None) -> Tensor | list[Tensor] | None:
+            if isinstance(value, list):
+                return [router_rows(layer, batch, count) for layer in value]
+            return None if value is None else value[:count]
+
+        return PolicyMicroBatch(
+            **{item.name: cut(getattr(self, item.name)) for item in fields(self)}
+        )
+
     def targets(self) -> Tensor:
         """The next token at each position (a sequence's last position repeats its own token)."""
         if self.cu_seqlens is not None:
@@ -127,6 +145,13 @@ class PolicyMicroBatch:
                 for field in rows
             )
         )
+
+
+def router_rows(values: Tensor, batch: int, count: int) -> Tensor:
+    """`[tokens, ...]` values of a `batch`-row micro-batch in a router's token order (position,
+    then row) -> those of its first `count` rows, in the same order."""
+    rest = values.shape[1:]
+    return values.reshape(-1, batch, *rest)[:, :count].reshape(-1, *rest)
 
 
 class LossRows(NamedTuple):

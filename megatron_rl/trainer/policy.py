@@ -32,7 +32,7 @@ from megatron_rl.trainer.metric_reductions import (
     routing_metric_name,
     update_change_name,
 )
-from megatron_rl.trainer.micro_batch import PolicyMicroBatch
+from megatron_rl.trainer.micro_batch import PolicyMicroBatch, router_rows
 from megatron_rl.trainer.optimizer import (
     OptimConfig,
     build_optimizer,
@@ -50,6 +50,10 @@ from megatron_rl.trainer.schedule import (
 # `routing_drift` measures reported as `routing/engine_mismatch_<unit>`: the engine's routing
 # against the trainer's at the same weights.
 ENGINE_MISMATCH_UNITS = ("token_layer", "token_any", "activated_experts")
+
+# Rows of a micro-batch the routing probe forwards again after an update (two forwards each):
+# enough tokens for shares of a few percent, a quarter of the harness's micro-batches.
+PROBE_ROWS = 8
 
 # Per-micro-batch sums used for the loss itself; the update reports the loss instead.
 _NOT_AVERAGED = ("loss/sum", "entropy/sum", "loss/denominator")
@@ -182,9 +186,10 @@ class Policy:
     def _probe_after_update(
         self, micro_batch: PolicyMicroBatch, before: ObservedRouting
     ) -> dict[str, float]:
-        """What one update changed, on the same micro-batch (the minibatch's last, this rank's)
-        forwarded again with the updated weights twice: routing freely, and with its `routing`
-        (the old policy's, or the engine's under R3) replayed:
+        """What one update changed, on the same tokens (the first PROBE_ROWS rows of this rank's
+        last micro-batch of the minibatch) forwarded again with the updated weights twice:
+        routing freely, and with their `routing` (the old policy's, or the engine's under R3)
+        replayed:
 
         - `routing/update_*`: `routing_drift` from the routing chosen before the update to the
           routing chosen after it (`routing/update_activated_experts` is the papers' share of
@@ -195,6 +200,12 @@ class Policy:
           log-probs (`routing_share_of_log_ratio`), when the micro-batch carries them.
         """
         replay = self._replay_for(RoutingReplayMode.R2, "the routing probe")
+        batch = micro_batch.tokens.shape[0]
+        micro_batch = micro_batch.first_rows(PROBE_ROWS)
+        count = micro_batch.tokens.shape[0]
+        before = ObservedRouting(
+            *([router_rows(layer, batch, count) for layer in part] for part in before)
+        )
         free = old_policy_pass(self.model, [micro_batch], replay=replay, record_routing=True)[0]
         held = old_policy_pass(self.model, [micro_batch], replay=replay)[0]
         device = before.free[0].device

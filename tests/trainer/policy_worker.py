@@ -31,6 +31,7 @@ from megatron_rl.trainer import policy as policy_module
 from megatron_rl.trainer.batches import EngineRouting, build_rollout_batch, micro_batches
 from megatron_rl.trainer.learner import learn, step_advantages
 from megatron_rl.trainer.metrics import StepTimer
+from megatron_rl.trainer.micro_batch import router_rows
 from megatron_rl.trainer.optimizer_config import OptimConfig
 from megatron_rl.trainer.policy import Policy
 from megatron_rl.trainer.rank0_engine import Rank0Engine
@@ -450,12 +451,12 @@ def routing_probe(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
     problems = ArithmeticTask().problems("train", 4, seed=3)
     params = SamplingParams(max_new_tokens=32, stop_token_ids=codec.stop_token_ids)
     groups = engine.generate(
-        [codec.encode_prompt(p.prompt) for p in problems], params, n=2, return_routed_experts=True
+        [codec.encode_prompt(p.prompt) for p in problems], params, n=3, return_routed_experts=True
     )
-    batch = build_rollout_batch(
+    batch = build_rollout_batch(  # 12 rows: the probe forwards the first PROBE_ROWS (8)
         [s for g in groups for s in g],
-        torch.tensor([float(i % 2) for i in range(8)]),
-        group_size=2,
+        torch.tensor([float(i % 2) for i in range(12)]),
+        group_size=3,
         pad_id=0,
         newline_token_ids=codec.newline_token_ids,
     )
@@ -468,10 +469,10 @@ def routing_probe(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
     )
     (with_engine,) = micro_batches(
         batch,
-        list(range(8)),
+        list(range(12)),
         dp_rank=0,
         dp_size=1,
-        micro_batch_size=8,
+        micro_batch_size=12,
         engine_routing=engine_routing,
     )
     mode = RoutingReplayMode.R2
@@ -493,8 +494,9 @@ def routing_probe(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
     probed = policy._probe_after_update(micro, before)
     with torch.no_grad():
         router.expert_bias[:2] -= 10.0
-    mask = micro.loss_mask.transpose(0, 1).reshape(-1)
-    last_before = before.free[-1][mask]
+    probed_rows = micro.first_rows(policy_module.PROBE_ROWS)
+    mask = probed_rows.loss_mask.transpose(0, 1).reshape(-1)
+    last_before = router_rows(before.free[-1], 12, policy_module.PROBE_ROWS)[mask]
     kept = (last_before[:, :, None] == torch.tensor([0, 1])).any(-1).sum(-1)  # [tokens]
     expected = {
         "layer": float((kept < 2).float().mean()),
@@ -513,7 +515,8 @@ def routing_probe(launch: LaunchEnv, hf_dir: str) -> dict[str, object]:
         "probed": probed,
         "expected": expected,
         "moe_layers": list(config.moe_layers),
-        "tokens": int(mask.sum()),
+        "tokens": int(mask.sum()),  # of the probed rows
+        "all_tokens": int(micro.loss_mask.sum()),
         "mismatch": mismatch,
         "mismatch_one": mismatch_one,
         "update": update.metrics,

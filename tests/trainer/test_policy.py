@@ -159,14 +159,10 @@ def test_the_routing_probe_measures_a_known_change_of_routing():
     assert probed["routing/log_ratio_abs_share"] == pytest.approx(1, abs=1e-6)
     # the float32 engine routes as the trainer does; one changed (token, layer) counts once
     assert all(value == 0 for value in result["mismatch"].values())
-    one = result["mismatch_one"]
-    assert one["routing/engine_mismatch_token_layer"] == pytest.approx(
-        1 / (result["tokens"] * layers)
-    )
-    assert one["routing/engine_mismatch_activated_experts"] == pytest.approx(
-        1 / (result["tokens"] * layers)
-    )
-    assert one["routing/engine_mismatch_token_any"] == pytest.approx(1 / result["tokens"])
+    one, tokens = result["mismatch_one"], result["all_tokens"]
+    assert one["routing/engine_mismatch_token_layer"] == pytest.approx(1 / (tokens * layers))
+    assert one["routing/engine_mismatch_activated_experts"] == pytest.approx(1 / (tokens * layers))
+    assert one["routing/engine_mismatch_token_any"] == pytest.approx(1 / tokens)
     # a real update with the probe: its metrics, and the routers moved
     update = result["update"]
     assert 0 <= update["routing/update_activated_experts"] <= update["routing/update_token_layer"]
