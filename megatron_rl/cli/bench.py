@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from megatron_rl.cli.arguments import positive_int
+from megatron_rl.config import ConfigError
 from megatron_rl.process.stop import StopSignals
 
 
@@ -250,13 +251,16 @@ def _drift(args: argparse.Namespace) -> int:
     from megatron_rl.bench import drift
 
     out, models_dir = Path(args.out), Path(args.models_dir)
+    if args.quick and args.grid is not None:
+        raise ConfigError("--quick: it is a grid of its own; leave out --grid")
+    grid = drift.QUICK_GRID if args.quick else args.grid
     if args.report_only:
-        print(f"wrote {drift.report_drift_benchmark(args.recipe, args.grid, out, args.overrides)}")
+        print(f"wrote {drift.report_drift_benchmark(args.recipe, grid, out, args.overrides)}")
         return 0
     with StopSignals():  # SIGTERM and Ctrl-C stop the runs in flight on the way out
         if args.prepare:
             run_ids = drift.prepare_drift_benchmark(
-                args.recipe, args.grid, out, models_dir=models_dir, overrides=args.overrides
+                args.recipe, grid, out, models_dir=models_dir, overrides=args.overrides
             )
             for number, run_id in enumerate(run_ids):
                 print(f"{number:4d}  {run_id}")
@@ -264,7 +268,7 @@ def _drift(args: argparse.Namespace) -> int:
             return 0
         report = drift.run_drift_benchmark(
             args.recipe,
-            args.grid,
+            grid,
             out,
             jobs=args.jobs,
             models_dir=models_dir,
@@ -289,6 +293,11 @@ def _add_drift(benches: argparse._SubParsersAction) -> None:
         "overrides", nargs="*", default=[], help="dotted KEY=VALUE overrides of the recipe"
     )
     parser.add_argument("--grid", default=None, help="grid file (default: the built-in grid)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the built-in grid's quick subset: one seed, 12 steps, every claim (~20 min)",
+    )
     parser.add_argument("--out", default="runs/bench/drift", help="results directory")
     parser.add_argument("--jobs", type=positive_int, default=1, help="runs at once (1 thread each)")
     parser.add_argument(

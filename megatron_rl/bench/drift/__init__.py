@@ -11,13 +11,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_rl.bench.drift.grid import DriftGrid, load_grid
+from megatron_rl.bench.drift.grid import DEFAULT_GRID, QUICK_GRID, DriftGrid, GridSource, load_grid
 from megatron_rl.bench.drift.runner import prepare_grid, run_grid
+
+__all__ = [
+    "DEFAULT_GRID",
+    "QUICK_GRID",
+    "prepare_drift_benchmark",
+    "report_drift_benchmark",
+    "run_drift_benchmark",
+]
 
 
 def run_drift_benchmark(
     recipe: str,
-    grid_file: str | None,
+    grid_file: GridSource,
     out: Path,
     *,
     jobs: int,
@@ -35,7 +43,7 @@ def run_drift_benchmark(
 
 
 def prepare_drift_benchmark(
-    recipe: str, grid_file: str | None, out: Path, *, models_dir: Path, overrides: list[str] = ()
+    recipe: str, grid_file: GridSource, out: Path, *, models_dir: Path, overrides: list[str] = ()
 ) -> list[str]:
     """Claim `out` and build the base models, for a job array of the grid's runs; the run ids
     (array task i runs run i)."""
@@ -44,7 +52,7 @@ def prepare_drift_benchmark(
 
 
 def report_drift_benchmark(
-    recipe: str, grid_file: str | None, out: Path, overrides: list[str] = ()
+    recipe: str, grid_file: GridSource, out: Path, overrides: list[str] = ()
 ) -> Path:
     """Write the report of the runs in `out` that have ended; returns report.md."""
     return _write_report(load_grid(recipe, grid_file, list(overrides)), out)

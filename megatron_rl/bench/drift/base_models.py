@@ -1,48 +1,76 @@
-"""Base models of other shapes for the drift grid's `base_model.*` sweeps, built by the tiny-model
-script (examples/moe/make_tiny_model.py) with its defaults, i.e. the way the shipped 4-layer model
-was made, and kept in a cache directory shared by every results directory."""
+"""Base models of other shapes for the drift grid's `base_model.*` fields, built by the tiny-model
+script (examples/moe/make_tiny_model.py) and kept in a cache directory shared by every results
+directory. A model is either a named shape of the script (`base_model.shape`: `{"shape": name}`,
+the papers'-regime models with the load balancing they keep in RL) or a plain variant of the
+shipped one (`base_model.layers` / `experts` / `topk`: `{"layers": .., "experts": .., "topk": ..}`,
+built with the script's defaults, the way the shipped 4-layer model was made)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import megatron_rl
 
 SCRIPT = Path(megatron_rl.__file__).resolve().parents[1] / "examples" / "moe" / "make_tiny_model.py"
+VARIANT_KEYS = ("layers", "experts", "topk")
 
 
-def shape_name(shape: dict[str, int]) -> str:
-    """The cache entry of `shape`, e.g. `layers8-experts8-topk2`."""
-    return "-".join(f"{key}{shape[key]}" for key in ("layers", "experts", "topk"))
+def _script_path() -> Path:
+    if not SCRIPT.is_file():
+        raise FileNotFoundError(
+            f"{SCRIPT}: the tiny-model script, which base_model.* fields need, is not there "
+            "(run from a checkout of megatron-rl)"
+        )
+    return SCRIPT
 
 
-def model_path(models_dir: Path, shape: dict[str, int]) -> Path:
+@functools.cache
+def named_shapes() -> tuple[str, ...]:
+    """The script's named shapes (its `SHAPES`), the values `base_model.shape` takes."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", _script_path())
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(module.SHAPES)
+
+
+def shape_name(shape: dict[str, Any]) -> str:
+    """The cache entry of `shape`: a named shape's name, or e.g. `layers8-experts8-topk2`."""
+    if "shape" in shape:
+        return str(shape["shape"])
+    return "-".join(f"{key}{shape[key]}" for key in VARIANT_KEYS)
+
+
+def model_path(models_dir: Path, shape: dict[str, Any]) -> Path:
     return models_dir / shape_name(shape)
 
 
-def is_built(models_dir: Path, shape: dict[str, int]) -> bool:
+def is_built(models_dir: Path, shape: dict[str, Any]) -> bool:
     # The script renames its staging directory into place when done: a path that exists is whole.
     return (model_path(models_dir, shape) / "config.json").is_file()
 
 
-def build_command(models_dir: Path, shape: dict[str, int]) -> list[str]:
+def build_command(models_dir: Path, shape: dict[str, Any]) -> list[str]:
     """The command that builds `shape` into the cache (seed 0, the script's defaults)."""
-    if not SCRIPT.is_file():
-        raise FileNotFoundError(
-            f"{SCRIPT}: the tiny-model script, which base_model.* sweeps need, is not there "
-            "(run from a checkout of megatron-rl)"
-        )
-    out = model_path(models_dir, shape)
-    return [
-        sys.executable,
-        str(SCRIPT),
-        "--out",
-        str(out),
-        "--layers",
-        str(shape["layers"]),
-        "--experts",
-        str(shape["experts"]),
-        "--topk",
-        str(shape["topk"]),
-    ]
+    command = [sys.executable, str(_script_path()), "--out", str(model_path(models_dir, shape))]
+    if "shape" in shape:
+        return [*command, "--shape", str(shape["shape"])]
+    for key in VARIANT_KEYS:
+        command += [f"--{key}", str(shape[key])]
+    return command
+
+
+def rl_options(model_dir: Path) -> dict[str, Any]:
+    """The recipe overrides a built model needs in RL (its `training.json`'s `rl_options`: the
+    load balancing of a named shape, e.g. `model.aux_loss_coeff`); none for other models."""
+    path = model_dir / "training.json"
+    if not path.is_file():
+        return {}
+    options = json.loads(path.read_text()).get("rl_options", {})
+    if not isinstance(options, dict):
+        raise ValueError(f"{path}: rl_options: expected a mapping of recipe keys, got {options!r}")
+    return options

@@ -16,8 +16,10 @@ A grid file (YAML; every key optional, the default grid is `DEFAULT_GRID`):
 
 The base point is the recipe with `set`; every arm runs there. A sweep point runs the sweep's
 arms (all by default) with its fields changed; a point equal to the base point is the base
-point. Fields are dotted recipe keys, or `base_model.layers` / `base_model.experts` /
-`base_model.topk`: a model of another shape, built by the tiny-model script (base_models.py).
+point. Fields are dotted recipe keys, or the base model's: `base_model.shape` (a named shape of
+the tiny-model script, e.g. `fine_qwen3`, with the RL options its load balancing needs), or
+`base_model.layers` / `base_model.experts` / `base_model.topk` (a variant of the recipe's
+model), built by the tiny-model script (base_models.py); `set` may give them too.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ import dataclasses
 import enum
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.bench.drift import base_models
 from megatron_rl.config import ConfigError, load_config, read_yaml_mapping
 from megatron_rl.files.hf_checkpoint import read_config
 from megatron_rl.models.families import family_for
@@ -77,51 +81,130 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
 # The arms of the first grid (docs/benchmarks/drift), before the papers' regime was sought.
 ORIGINAL_ARMS = ("grpo", "grpo_r2", "grpo_r3", "gspo", "gspo_engine_logp", "gspo_token", "sspo")
 
-SHAPE_FIELDS = ("base_model.layers", "base_model.experts", "base_model.topk")
-# What the default CPU grid costs: ~1.2 s per step of the tiny recipe on one thread, so a
-# 30-step run takes ~50 s with start-up; depth 8 twice that. See docs/drift.md.
+VARIANT_FIELDS = ("base_model.layers", "base_model.experts", "base_model.topk")
+# The base model's fields: a named shape of the tiny-model script, or a variant of the recipe's.
+SHAPE_FIELDS = (*VARIANT_FIELDS, "base_model.shape")
+# The default CPU grid, in the papers' regime (issue 36): the fine-grained Qwen3-MoE-shaped model
+# (64 experts of width 16, top-8, 8 layers, the aux loss on; `base_model.shape: fine_qwen3`) at a
+# learning rate where an update changes at least 5% of the activated experts, with the routing
+# probe on. Off-policy degrees run with a bfloat16 engine (as production engines are), where R3
+# differs from R2; the float32 engine (the base point) is the zero-mismatch oracle.
+REGIME_LR = 1.0e-4
+_PAPERS_SET: dict[str, Any] = {
+    "base_model.shape": "fine_qwen3",
+    "optim.lr": REGIME_LR,
+    "run.steps": 30,
+    "run.eval_every": 5,
+    "data.eval_problems": 64,
+    "checkpoint.save_every": 0,
+    "checkpoint.export_hf": False,
+    "metrics.console": False,
+    "metrics.wandb": "disabled",
+    "metrics.routing_probe": True,
+}
+# The engines' log-probs differ from the float32 trainer's on the weight-sync probe by about
+# 0.01 (bfloat16) and 0.1 (float8 emulated): the probe's tolerance is set above that.
+BF16_ENGINE = {"rollout.engine_dtype": "bfloat16", "rollout.probe_tolerance": 0.2}
+FP8_ENGINE = {"rollout.engine_dtype": "float8_emulated", "rollout.probe_tolerance": 0.5}
+OFF_POLICY_ARMS = ["grpo", "grpo_r2", "grpo_r3", "gspo"]
 DEFAULT_GRID: dict[str, Any] = {
     "seeds": [1, 2, 3],
-    "set": {
-        "run.steps": 30,
-        "run.eval_every": 5,
-        "data.eval_problems": 64,
-        "checkpoint.save_every": 0,
-        "checkpoint.export_hf": False,
-        "metrics.console": False,
-        "metrics.wandb": "disabled",
-        "metrics.routing_probe": True,
-    },
-    "arms": dict.fromkeys(ORIGINAL_ARMS),
+    "set": _PAPERS_SET,
+    "arms": dict.fromkeys(
+        [
+            "grpo",
+            "grpo_r2",
+            "grpo_r3",
+            "gspo",
+            "gspo_engine_logp",
+            "gspo_token",
+            "sspo",
+            "grpo_frozen_router",
+            "grpo_tis",
+            "grpo_mis_geometric",
+        ]
+    ),
+    # At the base point's float32 engine R3 equals R2 and the corrections are 1: those arms run
+    # in the low-precision points only.
+    "base_arms": [
+        "grpo",
+        "grpo_r2",
+        "gspo",
+        "gspo_engine_logp",
+        "gspo_token",
+        "sspo",
+        "grpo_frozen_router",
+    ],
     "sweeps": [
         {
             "name": "off_policy",
-            "field": "algo.updates_per_batch",
-            "values": [1, 2, 4, 8],
+            "points": [BF16_ENGINE | {"algo.updates_per_batch": n} for n in (1, 2, 4, 8)],
+            "arms": OFF_POLICY_ARMS,
+        },
+        {
+            "name": "fp8_engine",
+            "points": [FP8_ENGINE],
+            "arms": [*OFF_POLICY_ARMS, "grpo_tis", "grpo_mis_geometric"],
+        },
+        {
+            "name": "sigmoid_router",
+            "field": "base_model.shape",
+            "values": ["fine_deepseek"],
             "arms": ["grpo", "grpo_r2", "gspo"],
         },
         {
-            "name": "depth",
-            "field": "base_model.layers",
-            "values": [2, 4, 8],
-            "arms": ["grpo", "grpo_r2", "gspo"],
-        },
-        {
-            "name": "lr",
-            "field": "optim.lr",
-            "values": [4.0e-4],
-            "arms": ["grpo", "grpo_r2", "gspo"],
-        },
-        {
-            # The papers' regime through depth and staleness together, not the step size.
-            "name": "deep_off_policy",
-            "points": [{"base_model.layers": 8, "algo.updates_per_batch": 8}],
-            "arms": ["grpo", "grpo_r2", "gspo"],
+            "name": "dense",
+            "field": "base_model.shape",
+            "values": ["dense_control"],
+            "arms": ["grpo", "gspo"],
         },
     ],
 }
 
-_GRID_KEYS = ("seeds", "set", "arms", "sweeps", "launcher", "threads")
+# `--quick`: one seed, 12 steps, the fewest runs that give every claim a verdict (at lower
+# confidence: no seed spread). About 20 minutes with --jobs 2 once the base models are built.
+QUICK_GRID: dict[str, Any] = {
+    "seeds": [1],
+    "set": _PAPERS_SET | {"run.steps": 12, "run.eval_every": 4},
+    "arms": dict.fromkeys(
+        [
+            "grpo",
+            "grpo_r2",
+            "gspo",
+            "gspo_engine_logp",
+            "grpo_frozen_router",
+            "grpo_r3",
+            "grpo_tis",
+            "grpo_mis_geometric",
+        ]
+    ),
+    "base_arms": ["grpo", "grpo_r2", "gspo", "gspo_engine_logp", "grpo_frozen_router"],
+    "sweeps": [
+        {
+            "name": "on_policy",
+            "points": [BF16_ENGINE | {"algo.updates_per_batch": n} for n in (1, 2)],
+            "arms": ["grpo", "grpo_r2"],
+        },
+        {
+            "name": "off_policy",
+            "points": [BF16_ENGINE | {"algo.updates_per_batch": n} for n in (4, 8)],
+            "arms": ["grpo", "grpo_r2", "grpo_r3"],
+        },
+        {
+            "name": "fp8_engine",
+            "points": [FP8_ENGINE],
+            "arms": ["grpo", "grpo_r3", "grpo_tis", "grpo_mis_geometric"],
+        },
+        {
+            "name": "other_models",
+            "field": "base_model.shape",
+            "values": ["fine_deepseek", "dense_control"],
+            "arms": ["grpo"],
+        },
+    ],
+}
+
+_GRID_KEYS = ("seeds", "set", "arms", "base_arms", "sweeps", "launcher", "threads")
 _SWEEP_KEYS = ("name", "field", "values", "points", "arms")
 
 
@@ -139,7 +222,7 @@ class PlannedRun:
     point: dict[str, Any]  # every swept field of the grid -> this run's value
     seed: int
     overrides: dict[str, Any]  # dotted recipe key -> value
-    shape: dict[str, int] | None  # the base model to build, or None for the recipe's
+    shape: dict[str, Any] | None  # the base model to build (base_models), or None: the recipe's
     recipe: (
         Recipe  # the run's recipe, checked (on the recipe's model: the runner sets the built one)
     )
@@ -152,22 +235,26 @@ class DriftGrid:
     recipe_path: str
     recipe_overrides: list[str]
     seeds: list[int]
-    common: dict[str, Any]
+    common: dict[str, Any]  # `set`'s recipe overrides
     arms: dict[str, dict[str, Any]]
+    base_arms: list[str]  # the arms of the base point
     sweeps: list[dict[str, Any]]
     launcher: list[str]
     threads: int
-    base_shape: dict[str, int]
+    base_shape: dict[str, int]  # the recipe model's layers, experts, topk
+    base_model: dict[str, Any] = field(default_factory=dict)  # `set`'s base_model.* fields
     runs: list[PlannedRun] = field(default_factory=list)
 
     def identity(self) -> dict[str, Any]:
         """What a results directory must match to be resumed: the grid and the recipe."""
         recipe = Path(self.recipe_path)
-        return {
+        # a grid whose base point runs every arm is identified as before base_arms existed
+        base_arms = {} if self.base_arms == list(self.arms) else {"base_arms": self.base_arms}
+        return base_arms | {
             "recipe": recipe.read_text(),
             "recipe_overrides": self.recipe_overrides,
             "seeds": self.seeds,
-            "set": self.common,
+            "set": self.common | self.base_model,
             "arms": self.arms,
             "sweeps": self.sweeps,
             "launcher": self.launcher,
@@ -175,22 +262,37 @@ class DriftGrid:
         }
 
 
-def load_grid(
-    recipe_path: str | Path, grid_path: str | Path | None, overrides: list[str] = ()
-) -> DriftGrid:
-    """The grid of `grid_path` (the default grid when None) over the recipe with `overrides`,
-    every run's recipe checked before anything starts."""
-    raw = DEFAULT_GRID
-    if grid_path is not None:
-        raw = read_yaml_mapping(Path(grid_path), given_as="--grid")
+# A grid: a grid file, a grid already read (QUICK_GRID), or None for DEFAULT_GRID.
+GridSource = str | Path | Mapping[str, Any] | None
+
+
+def load_grid(recipe_path: str | Path, grid: GridSource, overrides: list[str] = ()) -> DriftGrid:
+    """The grid `grid` over the recipe with `overrides`, every run's recipe checked before
+    anything starts."""
+    if grid is None:
+        raw = DEFAULT_GRID
+    elif isinstance(grid, Mapping):
+        raw = grid
+    else:
+        raw = read_yaml_mapping(Path(grid), given_as="--grid")
     unknown = sorted(set(raw) - set(_GRID_KEYS))
     if unknown:
         raise GridError(f"grid: unknown key {unknown[0]!r}; valid keys: {', '.join(_GRID_KEYS)}")
     base_recipe = load_config(Recipe, recipe_path, list(overrides))
     seeds = _int_list(raw.get("seeds", [1, 2, 3]), "seeds")
     common = _mapping(raw.get("set", {}), "set")
+    base_model = {key: common.pop(key) for key in list(common) if key in SHAPE_FIELDS}
+    for key, value in base_model.items():
+        _check_model_field(key, value, "set")
     arms = _arms(raw.get("arms", dict.fromkeys(ORIGINAL_ARMS)))
+    base_arms = _arm_list(raw.get("base_arms", list(arms)), arms, "base_arms")
     sweeps = [_sweep(entry, index, arms) for index, entry in enumerate(raw.get("sweeps", []))]
+    model_fields = {*base_model, *(key for s in sweeps for p in s["points"] for key in p)}
+    if "base_model.shape" in model_fields and model_fields & set(VARIANT_FIELDS):
+        raise GridError(
+            "base_model.shape: a named shape fixes layers, experts and topk; a grid sets or "
+            f"sweeps either it or {', '.join(VARIANT_FIELDS)}"
+        )
     launcher = raw.get("launcher", [])
     if not isinstance(launcher, list) or not all(isinstance(part, str) for part in launcher):
         raise GridError(f"launcher: expected a list of strings, got {launcher!r}")
@@ -204,18 +306,23 @@ def load_grid(
         seeds=seeds,
         common=common,
         arms=arms,
+        base_arms=base_arms,
         sweeps=sweeps,
         launcher=launcher,
         threads=threads,
         base_shape=base_shape,
+        base_model=base_model,
     )
     grid.runs.extend(_plan(grid))
     return grid
 
 
 def recipe_for(grid: DriftGrid, run: PlannedRun, model_path: Path | None = None) -> Recipe:
-    """The full recipe of `run` (checked), on the model at `model_path` if given."""
-    model = {} if model_path is None else {"model.hf_path": str(model_path)}
+    """The full recipe of `run` (checked), on the model at `model_path` if given, with the RL
+    options that model keeps (`base_models.rl_options`: a named shape's load balancing)."""
+    model = {}
+    if model_path is not None:
+        model = base_models.rl_options(model_path) | {"model.hf_path": str(model_path)}
     return load_config(Recipe, grid.recipe_path, _run_overrides(grid, run.overrides | model))
 
 
@@ -284,19 +391,33 @@ def _sweep(entry: Any, index: int, arms: dict[str, dict[str, Any]]) -> dict[str,
         if not isinstance(points, list) or not points:
             raise GridError(f"{where}.points ({name}): expected a non-empty list of mappings")
         points = [_mapping(point, f"{where}.points[{i}]") for i, point in enumerate(points)]
-    sweep_arms = entry.get("arms", list(arms))
-    if not isinstance(sweep_arms, list) or not sweep_arms:
-        raise GridError(f"{where}.arms ({name}): expected a non-empty list of arm names")
-    for arm in sweep_arms:
-        if arm not in arms:
-            raise GridError(
-                f"{where}.arms ({name}): {arm!r} is not an arm of the grid ({', '.join(arms)})"
-            )
+    sweep_arms = _arm_list(entry.get("arms", list(arms)), arms, f"{where}.arms ({name})")
     for point in points:
         for key, value in point.items():
-            if key in SHAPE_FIELDS and (not isinstance(value, int) or value < 1):
-                raise GridError(f"{where} ({name}): {key} expects an integer >= 1, got {value!r}")
+            if key in SHAPE_FIELDS:
+                _check_model_field(key, value, f"{where} ({name})")
     return {"name": name, "points": points, "arms": sweep_arms}
+
+
+def _arm_list(value: Any, arms: dict[str, dict[str, Any]], where: str) -> list[str]:
+    if not isinstance(value, list) or not value:
+        raise GridError(f"{where}: expected a non-empty list of arm names")
+    for arm in value:
+        if arm not in arms:
+            raise GridError(f"{where}: {arm!r} is not an arm of the grid ({', '.join(arms)})")
+    return value
+
+
+def _check_model_field(key: str, value: Any, where: str) -> None:
+    if key == "base_model.shape":
+        shapes = base_models.named_shapes()
+        if value not in shapes:
+            raise GridError(
+                f"{where}: base_model.shape expects one of the tiny-model script's shapes "
+                f"({', '.join(shapes)}), got {value!r}"
+            )
+    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise GridError(f"{where}: {key} expects an integer >= 1, got {value!r}")
 
 
 def _model_shape(hf_path: str) -> dict[str, int]:
@@ -310,7 +431,7 @@ def _plan(grid: DriftGrid) -> list[PlannedRun]:
     """Every run, base point first; each recipe checked, each run once."""
     swept = list(dict.fromkeys(key for s in grid.sweeps for p in s["points"] for key in p))
     base = _base_values(grid, swept)
-    cells: dict[str, tuple[dict[str, Any], list[str]]] = {"base": (base, list(grid.arms))}
+    cells: dict[str, tuple[dict[str, Any], list[str]]] = {"base": (base, list(grid.base_arms))}
     for sweep in grid.sweeps:
         for point in sweep["points"]:
             values = base | point
@@ -334,10 +455,14 @@ def _base_values(grid: DriftGrid, swept: list[str]) -> dict[str, Any]:
     recipe = load_config(Recipe, grid.recipe_path, grid.recipe_overrides + common)
     values = {}
     for key in swept:
-        if key in SHAPE_FIELDS:
+        if key in grid.base_model:
+            values[key] = grid.base_model[key]
+        elif key == "base_model.shape":
+            values[key] = None  # the recipe's own model
+        elif key in VARIANT_FIELDS:
             values[key] = grid.base_shape[key.split(".")[1]]
-            continue
-        values[key] = _recipe_value(recipe, key)
+        else:
+            values[key] = _recipe_value(recipe, key)
     return values
 
 
@@ -360,6 +485,16 @@ def _recipe_value(recipe: Recipe, key: str) -> Any:
     return node.value if isinstance(node, enum.Enum) else node
 
 
+def _shape(grid: DriftGrid, fields: dict[str, Any]) -> dict[str, Any] | None:
+    """The base model of a run from its base_model.* fields: a named shape, a variant of the
+    recipe's model, or None for the recipe's model itself."""
+    if fields.get("base_model.shape") is not None:
+        return {"shape": fields["base_model.shape"]}
+    variant = {k.split(".")[1]: v for k, v in fields.items() if k in VARIANT_FIELDS}
+    wanted = grid.base_shape | variant
+    return None if wanted == grid.base_shape else wanted
+
+
 def _label(point: dict[str, Any]) -> str:
     return "__".join(f"{key.split('.')[-1]}={value}" for key, value in point.items())
 
@@ -367,14 +502,11 @@ def _label(point: dict[str, Any]) -> str:
 def _planned(
     grid: DriftGrid, arm: str, label: str, values: dict[str, Any], seed: int, base: dict[str, Any]
 ) -> PlannedRun:
-    shape = None
     overrides = dict(grid.common) | grid.arms[arm]
     for key, value in values.items():
         if key not in SHAPE_FIELDS:
             overrides[key] = value
-    wanted = grid.base_shape | {k.split(".")[1]: v for k, v in values.items() if k in SHAPE_FIELDS}
-    if wanted != grid.base_shape:
-        shape = wanted
+    shape = _shape(grid, grid.base_model | {k: v for k, v in values.items() if k in SHAPE_FIELDS})
     run_id = f"{arm}--{label}--seed{seed}"
     overrides["run.seed"] = seed
     overrides["run.name"] = run_id

@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.bench.drift import base_models
 from megatron_rl.bench.drift.grid import DriftGrid, PlannedRun
 from megatron_rl.bench.drift.runner import CRASHED, read_status
 from megatron_rl.files.atomic import write_text_atomic
@@ -135,6 +136,9 @@ def summarize_run(
         "mismatch": recipe.algo.mismatch,
         "updates_per_batch": recipe.algo.updates_per_batch,
         "lr": recipe.optim.lr,
+        "freeze_router": recipe.optim.freeze_router,
+        "engine_dtype": recipe.rollout.engine_dtype,
+        "model": model_name(grid, run),
         "layers": (run.shape or grid.base_shape).get("layers"),
         "state": status["state"],
         "error": status.get("error", ""),
@@ -179,6 +183,12 @@ def _per_layer_means(steps: list[dict[str, Any]], prefix: str, column: str) -> d
         if values:
             means[f"{column}{layer}"] = statistics.fmean(values)
     return means
+
+
+def model_name(grid: DriftGrid, run: PlannedRun) -> str:
+    """The run's base model: a named shape (`fine_qwen3`, ...), a variant of the recipe's model
+    (`layers8-experts8-topk2`), or `recipe` for the recipe's own."""
+    return "recipe" if run.shape is None else base_models.shape_name(run.shape)
 
 
 def _learn_seconds_per_1k_tokens(steps: list[dict[str, Any]]) -> float | None:
