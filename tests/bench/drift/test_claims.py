@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.bench.drift import claims
-from megatron_rl.bench.drift.summary import collapse_events
+from megatron_rl.bench.drift.summary import collapse_events, collapse_precursor
 
 ARMS = {
     "grpo": ("grpo", "none", "none"),
@@ -181,3 +181,49 @@ def test_reward_and_nonfinite_collapses():
     assert collapse_events(low) == [(4, "reward")]
     skipped = [{"step": 1, "steps/skipped": 1.0}, {"step": 2, "steps/skipped": 0.0}]
     assert collapse_events(skipped) == [(1, "nonfinite")]
+
+
+def step_records(jumps: dict[str, int], steps: int = 15) -> list[dict]:
+    """Steps 1..`steps` with every precursor metric noisy around a level, and metric `m`
+    jumping far from it from step `jumps[m]` on; a step-0 evaluation record first."""
+    levels = {
+        "grad_norm": 1.0,
+        "routing/update_activated_experts": 0.05,
+        "mismatch/k3": 1e-3,
+        "entropy/mean": 0.8,
+    }
+    out = [{"step": 0, "eval/accuracy": 0.6}]
+    for step in range(1, steps + 1):
+        record = {"step": step}
+        for key, level in levels.items():
+            value = level * (1 + 0.02 * (-1) ** step)
+            record[key] = value * 5 if step >= jumps.get(key, steps + 1) else value
+        out.append(record)
+    return out
+
+
+def test_precursor_is_the_metric_that_moved_first_before_the_collapse():
+    assert collapse_precursor(step_records({"grad_norm": 8}), 12) == ("grad_norm", 8)
+    assert collapse_precursor(step_records({}), 12) == ("", None)
+    later = {"grad_norm": 9, "entropy/mean": 7, "mismatch/k3": 10}
+    assert collapse_precursor(step_records(later), 12) == ("entropy", 7)
+    # a tie goes to the earlier metric: grad_norm, drift, mismatch, entropy
+    tie = {"mismatch/k3": 8, "routing/update_activated_experts": 8}
+    assert collapse_precursor(step_records(tie), 12) == ("drift", 8)
+    # a move at or after the collapse is no precursor
+    assert collapse_precursor(step_records({"grad_norm": 12}), 12) == ("", None)
+    # the baseline is the first 5 steps: a collapse at step 6 leaves nothing to compare
+    assert collapse_precursor(step_records({"grad_norm": 2}), 6) == ("", None)
+
+
+def test_precursor_drift_falls_back_and_a_flat_baseline_moves_on_any_change():
+    old = [
+        {
+            ("routing/drift_token_layer" if k == "routing/update_activated_experts" else k): v
+            for k, v in r.items()
+        }
+        for r in step_records({"routing/update_activated_experts": 9})
+    ]
+    assert collapse_precursor(old, 12) == ("drift", 9)
+    flat = [{"step": s, "grad_norm": 1.0 if s < 7 else 1.001} for s in range(1, 13)]
+    assert collapse_precursor(flat, 12) == ("grad_norm", 7)
