@@ -3,20 +3,34 @@ with the numbers and the drift regime behind each verdict.
 
 Pure functions of the rows (summary.py; the ones of finished runs), so that each claim is tested
 on synthetic rows in both directions. The thresholds are fixed here, before any checked-in run:
-- `STRONG_DRIFT`: the papers' regime starts at 5% of (token, layer) pairs routed differently per
-  step; claim 5 is tested only there;
+- `STRONG_DRIFT`: the papers' regime starts at 5% of activated experts ((token, layer, chosen
+  expert) triples) no longer chosen after one update (`update_activated`); claim 6 is tested
+  only there, and claim 21 asks the main model's base point to reach it;
 - `CLIP_RATIO`: "far larger" is at least 10x (the GSPO paper reports ~100x);
-- `REPLAY_TIME_OVERHEAD`: replay is cheap if the learning phases take < 10% longer with it.
+- `REPLAY_TIME_OVERHEAD`: replay is cheap if the learning phases take < 10% longer with it;
+- `ROUTING_SHARE`: routing "causes most" of the token log-ratio if replaying the old routing
+  removes at least half of its variance (`log_ratio_var_share` >= 0.5);
+- `RANK_CORRELATION`: the near-tie share "predicts" a layer's drift if their Spearman rank
+  correlation over (run, layer) pairs is at least 0.5;
+- `MOE_K3`: the MoE mismatch regime is a k3 KL between engine and trainer log-probs of at least
+  1e-3 (the R3 paper reports ~1.5e-3 for MoE models).
 "Stable as" means no more collapse events than the reference arm over its seeds, and a mean
 final held-out accuracy no lower than the reference's minus the larger of the two arms' seed
 standard deviations.
+
+The rows name their base model in `model` (`MAIN_MODEL` is the main one; `FINE_MODELS` the
+fine-grained MoE ones; `DENSE_MODEL` the one-expert control) and the rollout engine's precision
+in `engine_dtype` (missing: float32). An arm is its (loss, routing_replay, mismatch) and whether
+it freezes the routers (`freeze_router`, missing: not frozen). "Runs without replay" are those
+with routing_replay none and trained routers.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +38,16 @@ from typing import Any
 STRONG_DRIFT = 0.05
 CLIP_RATIO = 10.0
 REPLAY_TIME_OVERHEAD = 0.10
+ROUTING_SHARE = 0.5
+RANK_CORRELATION = 0.5
+MOE_K3 = 1e-3
+
+MAIN_MODEL = "fine_qwen3"
+FINE_MODELS = ("fine_qwen3", "fine_deepseek")
+SIGMOID_MODEL = "fine_deepseek"
+DENSE_MODEL = "dense_control"
+LOW_PRECISION = ("bfloat16", "float8_emulated")
+ENGINE_DTYPES = ("float32", "bfloat16", "float8_emulated")  # in rising rounding error
 
 PASS, FAIL, NOT_TESTED = "PASS", "FAIL", "NOT TESTED"
 
@@ -39,10 +63,25 @@ class Claim:
     regime: str
 
 
-def _is(loss: str, replay: str, mismatch: str = "none") -> Callable[[Row], bool]:
+def _frozen(row: Row) -> bool:
+    """The run froze its routers (`freeze_router`; missing: no; a CSV's "True" counts)."""
+    value = row.get("freeze_router")
+    return value is True or str(value).lower() in ("true", "1")
+
+
+def _engine(row: Row) -> str:
+    return row.get("engine_dtype") or "float32"
+
+
+def _is(
+    loss: str, replay: str, mismatch: str = "none", frozen: bool = False
+) -> Callable[[Row], bool]:
     def matches(row: Row) -> bool:
         return (
-            row["loss"] == loss and row["routing_replay"] == replay and row["mismatch"] == mismatch
+            row["loss"] == loss
+            and row["routing_replay"] == replay
+            and row["mismatch"] == mismatch
+            and _frozen(row) == frozen
         )
 
     return matches
@@ -50,21 +89,30 @@ def _is(loss: str, replay: str, mismatch: str = "none") -> Callable[[Row], bool]
 
 GRPO = _is("grpo", "none")
 GRPO_R2 = _is("grpo", "r2")
+GRPO_R3 = _is("grpo", "r3")
+GRPO_FROZEN = _is("grpo", "none", frozen=True)
+GRPO_TIS = _is("grpo", "none", mismatch="tis")
+GRPO_MIS = _is("grpo", "none", mismatch="mis")
 GSPO = _is("gspo", "none")
 GSPO_ENGINE = _is("gspo", "none", mismatch="bypass")
 
 
 def _no_replay(row: Row) -> bool:
-    return row["routing_replay"] == "none" and row.get("drift_token_layer") is not None
+    """A run whose routers choose freely and are trained (module docstring)."""
+    return row["routing_replay"] == "none" and not _frozen(row)
+
+
+def _values(rows: list[Row], column: str) -> list[float]:
+    return [row[column] for row in rows if row.get(column) is not None]
 
 
 def _mean(rows: list[Row], column: str) -> float | None:
-    values = [row[column] for row in rows if row.get(column) is not None]
+    values = _values(rows, column)
     return statistics.fmean(values) if values else None
 
 
 def _std(rows: list[Row], column: str) -> float:
-    values = [row[column] for row in rows if row.get(column) is not None]
+    values = _values(rows, column)
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
@@ -91,11 +139,33 @@ def _pooled(cells: list[list[list[Row]]], arm: int) -> list[Row]:
     return [row for cell in cells for row in cell[arm]]
 
 
+def _main_base(rows: list[Row]) -> list[Row]:
+    """The rows of the main model at the base point."""
+    return [r for r in rows if r["cell"] == "base" and r.get("model") == MAIN_MODEL]
+
+
 def _regime(rows: list[Row]) -> str:
-    drift = _mean([row for row in rows if _no_replay(row)], "drift_token_layer")
-    if drift is None:
-        return "no drift measured (no run without replay)"
-    return f"{drift:.2%} token-layer drift per step (mean of the runs without replay)"
+    """The papers' drift metric over the runs without replay among `rows`, naming the model and
+    the engine when those runs share one."""
+    free = [row for row in rows if _no_replay(row)]
+    measured = [row for row in free if row.get("update_activated") is not None]
+    if not measured:
+        drift = _mean(free, "drift_token_layer")
+        if drift is None:
+            return "no drift measured (no run without replay)"
+        return f"{drift:.2%} token-layer drift per step (mean of the runs without replay)"
+    where = ""
+    models = {row.get("model") for row in measured}
+    if len(models) == 1 and None not in models:
+        where += f", model {models.pop()}"
+    engines = {_engine(row) for row in measured}
+    if len(engines) == 1:
+        where += f", engine {engines.pop()}"
+    drift = _mean(measured, "update_activated")
+    return (
+        f"{drift:.2%} of activated experts changed per update (mean of the runs without "
+        f"replay{where})"
+    )
 
 
 def _stable_as(candidate: list[Row], reference: list[Row]) -> tuple[bool, str]:
@@ -117,77 +187,99 @@ def _stable_as(candidate: list[Row], reference: list[Row]) -> tuple[bool, str]:
     return stable, text
 
 
+def _layer_columns(rows: list[Row], prefix: str) -> list[int]:
+    """The layer numbers i of the `prefix<i>` columns any of `rows` has, in order."""
+    return sorted(
+        {int(key[len(prefix) :]) for row in rows for key in row if key.startswith(prefix)}
+    )
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """1-based ranks of `values`, tied values sharing the mean of their ranks."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for position in range(start, end + 1):
+            ranks[order[position]] = (start + end) / 2 + 1
+        start = end + 1
+    return ranks
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation: Pearson's on the ranks (average ranks for ties); None with
+    fewer than 2 pairs or when either side is constant."""
+    if len(xs) != len(ys):
+        raise ValueError(f"spearman: {len(xs)} x values but {len(ys)} y values")
+    if len(xs) < 2:
+        return None
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    vx = sum((a - mx) ** 2 for a in rx)
+    vy = sum((b - my) ** 2 for b in ry)
+    if vx == 0 or vy == 0:
+        return None
+    return cov / math.sqrt(vx * vy)
+
+
 def drift_after_update(rows: list[Row]) -> Claim:
     statement = (
-        "Without replay the routing drifts after an update (> 0); with R2 the routing used in "
-        "the training forward equals the recorded one."
+        "Without replay the routing drifts after an update (> 0 of the activated experts "
+        "change); with R2 the routing used in the training forward equals the recorded one."
     )
-    free = [r for r in rows if _no_replay(r) and r["updates_per_batch"] > 1]
+    free = [r for r in rows if _no_replay(r) and r.get("update_activated") is not None]
     r2 = [r for r in rows if r["routing_replay"] == "r2" and r.get("replay_miss_max") is not None]
     if not free or not r2:
         return Claim(
             1,
             statement,
             NOT_TESTED,
-            "needs runs without replay (>1 update per batch) and with R2",
+            "needs runs without replay that measured update_activated, and runs with R2",
             _regime(rows),
         )
-    smallest = min(r["drift_token_layer"] for r in free)
+    smallest = min(r["update_activated"] for r in free)
     miss = max(r["replay_miss_max"] for r in r2)
     verdict = PASS if smallest > 0 and miss == 0 else FAIL
     evidence = (
-        f"without replay: drift {_mean(free, 'drift_token_layer'):.2%} of (token, layer) pairs "
-        f"per step (smallest run {smallest:.2%}, {len(free)} runs); R2: replayed vs used "
+        f"without replay: {_mean(free, 'update_activated'):.2%} of activated experts changed "
+        f"per update (smallest run {smallest:.2%}, {len(free)} runs); R2: replayed vs used "
         f"routing differ in at most {miss:.2%} of pairs ({len(r2)} runs)"
     )
     return Claim(1, statement, verdict, evidence, _regime(free))
 
 
-def drift_grows_with_depth(rows: list[Row]) -> Claim:
+def later_layers_drift_more(rows: list[Row]) -> Claim:
     statement = (
-        "Drift grows with depth: tokens with at least one changed layer rise with the number of "
-        "layers, and later layers drift more than earlier ones."
+        f"Later layers drift more: on the main model ({MAIN_MODEL}) at the base point, the last "
+        "half of the MoE layers changes more of its activated experts per update than the first."
     )
-    base = [r for r in rows if r["cell"] == "base"]
-    if not base:
-        return Claim(2, statement, NOT_TESTED, "no base point", _regime(rows))
-    at_base = {(r["updates_per_batch"], r["lr"]) for r in base}
-    free = [r for r in rows if _no_replay(r) and (r["updates_per_batch"], r["lr"]) in at_base]
-    by_depth: dict[int, list[Row]] = defaultdict(list)
-    for row in free:
-        by_depth[row["layers"]].append(row)
-    if len(by_depth) < 2:
+    prefix = "update_activated_layer_"
+    free = [r for r in _main_base(rows) if _no_replay(r)]
+    layers = _layer_columns(free, prefix)
+    if len(layers) < 2:
         return Claim(
             2,
             statement,
             NOT_TESTED,
-            "needs runs without replay at two depths or more",
+            f"needs runs without replay of {MAIN_MODEL} at the base point with per-layer "
+            "update_activated of two MoE layers or more",
             _regime(rows),
         )
-    depths = sorted(by_depth)
-    token_any = [_mean(by_depth[d], "drift_token_any") for d in depths]
-    rising = all(a < b for a, b in itertools.pairwise(token_any))
-    later_more, halves = True, []
-    for depth in depths:
-        if depth < 2:
-            continue
-        half = depth // 2
-        first = statistics.fmean(
-            _mean(by_depth[depth], f"drift_layer_{i}") or 0 for i in range(half)
-        )
-        last = statistics.fmean(
-            _mean(by_depth[depth], f"drift_layer_{i}") or 0 for i in range(depth - half, depth)
-        )
-        later_more &= last > first
-        halves.append(f"{depth} layers: first half {first:.2%}, last half {last:.2%}")
-    verdict = PASS if rising and later_more else FAIL
+    half = len(layers) // 2
+    per_layer = {i: _mean(free, f"{prefix}{i}") or 0.0 for i in layers}
+    first = statistics.fmean(per_layer[i] for i in layers[:half])
+    last = statistics.fmean(per_layer[i] for i in layers[-half:])
     evidence = (
-        "tokens with a changed layer: "
-        + ", ".join(f"{d} layers {v:.2%}" for d, v in zip(depths, token_any, strict=True))
-        + "; "
-        + "; ".join(halves)
+        f"layers {layers[0]}-{layers[half - 1]}: {first:.2%}, layers {layers[-half]}-"
+        f"{layers[-1]}: {last:.2%} of activated experts changed per update ("
+        + ", ".join(f"{i}: {v:.2%}" for i, v in per_layer.items())
+        + f"; {len(free)} runs)"
     )
-    return Claim(2, statement, verdict, evidence, _regime(free))
+    return Claim(2, statement, PASS if last > first else FAIL, evidence, _regime(free))
 
 
 def tails_fatten_without_replay(rows: list[Row]) -> Claim:
@@ -220,6 +312,38 @@ def tails_fatten_without_replay(rows: list[Row]) -> Claim:
     return Claim(3, statement, PASS if larger else FAIL, evidence, _regime(free))
 
 
+def routing_causes_most_log_ratio(rows: list[Row]) -> Claim:
+    statement = (
+        f"Routing causes most of the token log-ratio: on the main model ({MAIN_MODEL}), "
+        f"replaying the old routing removes at least {ROUTING_SHARE:.0%} of its variance "
+        "(paired, on the same micro-batch)."
+    )
+    free = [
+        r
+        for r in rows
+        if _no_replay(r)
+        and r.get("model") == MAIN_MODEL
+        and r.get("log_ratio_var_share") is not None
+    ]
+    if not free:
+        return Claim(
+            4,
+            statement,
+            NOT_TESTED,
+            f"needs runs without replay of {MAIN_MODEL} that measured log_ratio_var_share",
+            _regime(rows),
+        )
+    share = _mean(free, "log_ratio_var_share")
+    abs_share = _mean(free, "log_ratio_abs_share")
+    evidence = f"routing's share of the log-ratio variance {share:.1%}" + (
+        f", of its mean |log w| {abs_share:.1%}" if abs_share is not None else ""
+    )
+    evidence += (
+        f" (mean of {len(free)} runs; smallest run {min(_values(free, 'log_ratio_var_share')):.1%})"
+    )
+    return Claim(4, statement, PASS if share >= ROUTING_SHARE else FAIL, evidence, _regime(free))
+
+
 def gspo_clips_far_more(rows: list[Row]) -> Claim:
     statement = (
         f"GSPO's token clip fraction is far larger (>= {CLIP_RATIO:g}x) than GRPO's at the "
@@ -227,36 +351,37 @@ def gspo_clips_far_more(rows: list[Row]) -> Claim:
     )
     cells = _cells(rows, lambda r: r["loss"] == "gspo", lambda r: r["loss"] == "grpo")
     if not cells:
-        return Claim(4, statement, NOT_TESTED, "needs GSPO and GRPO runs", _regime(rows))
+        return Claim(5, statement, NOT_TESTED, "needs GSPO and GRPO runs", _regime(rows))
     gspo = _mean(_pooled(cells, 0), "clip_frac_token") or 0.0
     grpo = _mean(_pooled(cells, 1), "clip_frac_token") or 0.0
     ratio = gspo / grpo if grpo > 0 else (float("inf") if gspo > 0 else 0.0)
     evidence = (
         f"clipped tokens: GSPO {gspo:.2%}, GRPO {grpo:.3%} ({ratio:.0f}x, {len(cells)} cells)"
     )
-    return Claim(4, statement, PASS if ratio >= CLIP_RATIO else FAIL, evidence, _regime(rows))
+    return Claim(5, statement, PASS if ratio >= CLIP_RATIO else FAIL, evidence, _regime(rows))
 
 
 def gspo_as_stable_as_r2(rows: list[Row]) -> Claim:
     statement = (
-        "GSPO without replay is at least as stable as GRPO + R2, at a drift regime of at least "
-        f"{STRONG_DRIFT:.0%} token-layer drift per step."
+        "GSPO without replay is at least as stable as GRPO + R2, where at least "
+        f"{STRONG_DRIFT:.0%} of GSPO's activated experts change per update."
     )
     cells = _cells(rows, GSPO, GRPO_R2)
-    strong = [c for c in cells if (_mean(c[0], "drift_token_layer") or 0) >= STRONG_DRIFT]
+    strong = [c for c in cells if (_mean(c[0], "update_activated") or 0) >= STRONG_DRIFT]
     if not strong:
-        reached = max((_mean(c[0], "drift_token_layer") or 0 for c in cells), default=0.0)
+        reached = max((_mean(c[0], "update_activated") or 0 for c in cells), default=0.0)
         return Claim(
-            5,
+            6,
             statement,
             NOT_TESTED,
-            f"no cell reached {STRONG_DRIFT:.0%} (GSPO's largest mean drift: {reached:.2%})",
+            f"no cell with GSPO and GRPO + R2 reached {STRONG_DRIFT:.0%} (GSPO's largest mean: "
+            f"{reached:.2%} of activated experts changed per update, {len(cells)} cells)",
             _regime(rows),
         )
     results = [(c[0][0]["cell"], *_stable_as(c[0], c[1])) for c in strong]
     verdict = PASS if all(ok for _, ok, _ in results) else FAIL
     evidence = "; ".join(f"{cell}: {text}" for cell, _, text in results)
-    return Claim(5, statement, verdict, evidence, _regime(_pooled(strong, 0)))
+    return Claim(6, statement, verdict, evidence, _regime(_pooled(strong, 0)))
 
 
 def on_policy_needs_no_replay(rows: list[Row]) -> Claim:
@@ -270,7 +395,7 @@ def on_policy_needs_no_replay(rows: list[Row]) -> Claim:
     off = [c for c in cells if c[0][0]["updates_per_batch"] == off_degree > 1]
     if not on or not off:
         return Claim(
-            6,
+            7,
             statement,
             NOT_TESTED,
             "needs GRPO with and without R2 at 1 and at >1 updates per batch",
@@ -287,7 +412,7 @@ def on_policy_needs_no_replay(rows: list[Row]) -> Claim:
         + f". {off_degree} updates: "
         + "; ".join(text for _, text in off_results)
     )
-    return Claim(6, statement, verdict, evidence, _regime(_pooled(off, 0)))
+    return Claim(7, statement, verdict, evidence, _regime(_pooled(off, 0)))
 
 
 def engine_logprobs_suffice(rows: list[Row]) -> Claim:
@@ -298,7 +423,7 @@ def engine_logprobs_suffice(rows: list[Row]) -> Claim:
     cells = _cells(rows, GSPO_ENGINE, GSPO)
     if not cells:
         return Claim(
-            7,
+            8,
             statement,
             NOT_TESTED,
             "needs GSPO with and without the engine's log-probs",
@@ -314,7 +439,7 @@ def engine_logprobs_suffice(rows: list[Row]) -> Claim:
         f"{text}; no old-policy forward saved {saved:.3f} s per step "
         f"({saved / step:.1%} of GSPO's step)"
     )
-    return Claim(7, statement, verdict, evidence, _regime(forward))
+    return Claim(8, statement, verdict, evidence, _regime(forward))
 
 
 def replay_is_cheap(rows: list[Row]) -> Claim:
@@ -324,12 +449,12 @@ def replay_is_cheap(rows: list[Row]) -> Claim:
     )
     cells = _cells(rows, GRPO_R2, GRPO)
     if not cells:
-        return Claim(8, statement, NOT_TESTED, "needs GRPO with and without R2", _regime(rows))
+        return Claim(9, statement, NOT_TESTED, "needs GRPO with and without R2", _regime(rows))
     r2 = _pooled(cells, 0)
     free = _pooled(cells, 1)
     with_replay, without = _mean(r2, "learn_s_per_1k_tokens"), _mean(free, "learn_s_per_1k_tokens")
     if with_replay is None or without is None:
-        return Claim(8, statement, NOT_TESTED, "no learning-phase times", _regime(rows))
+        return Claim(9, statement, NOT_TESTED, "no learning-phase times", _regime(rows))
     overhead = with_replay / without - 1
     memory = _mean(r2, "record_bytes") or 0
     evidence = (
@@ -337,19 +462,389 @@ def replay_is_cheap(rows: list[Row]) -> Claim:
         f"holds {memory / 2**20:.2f} MiB of recorded routing per step ({len(r2)}/{len(free)} runs)"
     )
     return Claim(
-        8, statement, PASS if overhead < REPLAY_TIME_OVERHEAD else FAIL, evidence, _regime(free)
+        9, statement, PASS if overhead < REPLAY_TIME_OVERHEAD else FAIL, evidence, _regime(free)
     )
+
+
+def _not_as_stable(
+    number: int,
+    statement: str,
+    cells: list[list[list[Row]]],
+    names: tuple[str, str],
+    needs: str,
+    rows: list[Row],
+) -> Claim:
+    """PASS when the first arm of every cell is NOT as stable as the second."""
+    if not cells:
+        return Claim(number, statement, NOT_TESTED, needs, _regime(rows))
+    results = [(c[0][0]["cell"], *_stable_as(c[0], c[1])) for c in cells]
+    verdict = FAIL if any(ok for _, ok, _ in results) else PASS
+    evidence = f"{names[0]} vs {names[1]}: " + "; ".join(
+        f"{cell}: {text}{' (as stable)' if ok else ''}" for cell, ok, text in results
+    )
+    return Claim(number, statement, verdict, evidence, _regime(_pooled(cells, 0)))
+
+
+def two_minibatches_need_r2(rows: list[Row]) -> Claim:
+    statement = (
+        "Two minibatches per rollout batch need R2 (arXiv 2512.01374): at 2 updates per batch "
+        "and a float32 engine, GRPO without replay is not as stable as GRPO + R2."
+    )
+    eligible = [r for r in rows if r["updates_per_batch"] == 2 and _engine(r) == "float32"]
+    return _not_as_stable(
+        10,
+        statement,
+        _cells(eligible, GRPO, GRPO_R2),
+        ("GRPO", "GRPO + R2"),
+        "needs GRPO with and without R2 at 2 updates per batch and a float32 engine",
+        rows,
+    )
+
+
+def four_minibatches_need_r3(rows: list[Row]) -> Claim:
+    statement = (
+        "Four or more minibatches need R3: at >= 4 updates per batch with a bfloat16 or float8 "
+        "engine, GRPO + R2 is not as stable as GRPO + R3 (with a float32 engine the two replay "
+        "the same routing, so only low-precision engines count)."
+    )
+    eligible = [r for r in rows if r["updates_per_batch"] >= 4 and _engine(r) in LOW_PRECISION]
+    return _not_as_stable(
+        11,
+        statement,
+        _cells(eligible, GRPO_R2, GRPO_R3),
+        ("GRPO + R2", "GRPO + R3"),
+        "needs GRPO + R2 and GRPO + R3 at >= 4 updates per batch with a bfloat16 or "
+        "float8_emulated engine",
+        rows,
+    )
+
+
+def r3_cuts_engine_mismatch(rows: list[Row]) -> Claim:
+    statement = (
+        "R3 cuts the train-vs-engine mismatch with a low-precision engine: GRPO + R3's k3 KL "
+        "between engine and trainer log-probs is below GRPO's, R3 replays the engine's routing "
+        "exactly, and without it the trainer routes differently from the engine."
+    )
+    eligible = [r for r in rows if _engine(r) in LOW_PRECISION]
+    cells = [
+        c
+        for c in _cells(eligible, GRPO, GRPO_R3)
+        if _mean(c[0], "mismatch_k3") is not None and _mean(c[1], "mismatch_k3") is not None
+    ]
+    if not cells:
+        return Claim(
+            12,
+            statement,
+            NOT_TESTED,
+            "needs GRPO and GRPO + R3 with a bfloat16 or float8_emulated engine, with mismatch_k3",
+            _regime(rows),
+        )
+    parts, holds = [], True
+    for free, r3 in cells:
+        k3, k3_r3 = _mean(free, "mismatch_k3"), _mean(r3, "mismatch_k3")
+        misses = _values(r3, "replay_miss_max")
+        miss = max(misses) if misses else None
+        routing = _mean(free, "engine_routing_mismatch")
+        holds &= k3_r3 < k3 and miss == 0 and routing is not None and routing > 0
+        parts.append(
+            f"{free[0]['cell']} ({_engine(free[0])}): k3 {k3_r3:.3g} with R3 vs {k3:.3g} without; "
+            + ("R3 replay miss not measured" if miss is None else f"R3 replay miss {miss:.2%}")
+            + "; "
+            + (
+                "GRPO's engine routing mismatch not measured"
+                if routing is None
+                else f"GRPO's engine routing mismatch {routing:.2%} of (token, layer) pairs"
+            )
+        )
+    return Claim(
+        12, statement, PASS if holds else FAIL, "; ".join(parts), _regime(_pooled(cells, 0))
+    )
+
+
+def frozen_router_as_stable_and_cheaper(rows: list[Row]) -> Claim:
+    statement = (
+        "A frozen router makes GRPO as stable as GRPO + R2, at a lower cost (shorter steps)."
+    )
+    cells = _cells(rows, GRPO_FROZEN, GRPO_R2)
+    if not cells:
+        return Claim(
+            13,
+            statement,
+            NOT_TESTED,
+            "needs GRPO with a frozen router and GRPO + R2",
+            _regime(rows),
+        )
+    parts, holds = [], True
+    names = {c[0][0]["cell"] for c in cells}
+    for frozen, r2 in cells:
+        stable, text = _stable_as(frozen, r2)
+        step, step_r2 = _mean(frozen, "step_s"), _mean(r2, "step_s")
+        cheaper = step is not None and step_r2 is not None and step < step_r2
+        holds &= stable and cheaper
+        steps = (
+            "no step times"
+            if step is None or step_r2 is None
+            else f"{step:.2f} vs {step_r2:.2f} s per step"
+        )
+        parts.append(f"{frozen[0]['cell']}: {text}; {steps}")
+    regime = _regime([r for r in rows if r["cell"] in names])
+    return Claim(13, statement, PASS if holds else FAIL, "; ".join(parts), regime)
+
+
+def near_ties_predict_layer_drift(rows: list[Row]) -> Claim:
+    statement = (
+        "The near-tie share predicts a layer's drift: over (run, layer) pairs of the fine-grained "
+        "models' runs without replay, the share of top-k margins below 1e-3 and the share of "
+        f"activated experts changed per update have a Spearman rank correlation >= "
+        f"{RANK_CORRELATION:g}."
+    )
+    free = [r for r in rows if _no_replay(r) and r.get("model") in FINE_MODELS]
+    ties, drift = [], []
+    for row in free:
+        for layer in _layer_columns([row], "near_tie_layer_"):
+            tie, changed = (
+                row.get(f"near_tie_layer_{layer}"),
+                row.get(f"update_activated_layer_{layer}"),
+            )
+            if tie is not None and changed is not None:
+                ties.append(tie)
+                drift.append(changed)
+    rho = spearman(ties, drift)
+    if rho is None:
+        return Claim(
+            14,
+            statement,
+            NOT_TESTED,
+            f"needs per-layer near_tie and update_activated of runs without replay on "
+            f"{' or '.join(FINE_MODELS)} that vary ({len(ties)} (run, layer) pairs)",
+            _regime(rows),
+        )
+    evidence = f"Spearman rank correlation {rho:.2f} over {len(ties)} (run, layer) pairs"
+    return Claim(14, statement, PASS if rho >= RANK_CORRELATION else FAIL, evidence, _regime(free))
+
+
+def precursor_before_collapse(rows: list[Row]) -> Claim:
+    statement = (
+        "A precursor comes before every collapse: in every run with a collapse event, gradient "
+        "norm, drift, mismatch or entropy moved beyond its early range before the first event."
+    )
+    collapsed = [r for r in rows if r["collapse_events"] > 0]
+    if not collapsed:
+        return Claim(15, statement, NOT_TESTED, "no run collapsed", _regime(rows))
+    missing = [r["run_id"] for r in collapsed if not r.get("precursor")]
+    found = Counter(r["precursor"] for r in collapsed if r.get("precursor"))
+    evidence = f"{len(collapsed) - len(missing)} of {len(collapsed)} collapsed runs had one" + (
+        " (" + ", ".join(f"{name} {n}" for name, n in found.most_common()) + ")" if found else ""
+    )
+    if missing:
+        evidence += "; none before the collapse in " + ", ".join(missing)
+    return Claim(15, statement, FAIL if missing else PASS, evidence, _regime(rows))
+
+
+def dense_control_does_not_collapse(rows: list[Row]) -> Claim:
+    statement = (
+        f"The dense control ({DENSE_MODEL}) does not collapse at the main model's base learning "
+        "rate."
+    )
+    main = _main_base(rows)
+    rates = {r["lr"] for r in main}
+    dense = [r for r in rows if r.get("model") == DENSE_MODEL and r["lr"] in rates]
+    if not dense:
+        return Claim(
+            16,
+            statement,
+            NOT_TESTED,
+            f"needs {DENSE_MODEL} runs at the learning rate of {MAIN_MODEL}'s base point",
+            _regime(rows),
+        )
+    events = sum(r["collapse_events"] for r in dense)
+    evidence = (
+        f"{events} collapse events over {len(dense)} {DENSE_MODEL} runs at lr "
+        + ", ".join(f"{lr:g}" for lr in sorted(rates))
+        + f" ({sum(r['collapse_events'] for r in main)} over {len(main)} {MAIN_MODEL} base runs)"
+    )
+    return Claim(16, statement, PASS if events == 0 else FAIL, evidence, _regime(main))
+
+
+# what must be equal for two runs of different models or engines to be compared (besides the
+# arm): the swept fields the rows name (other swept fields are not told apart)
+_SETTINGS = ("updates_per_batch", "lr", "layers")
+
+
+def sigmoid_routers_drift_more(rows: list[Row]) -> Claim:
+    statement = (
+        f"Sigmoid + expert-bias routers ({SIGMOID_MODEL}) drift more than softmax + aux-loss "
+        f"routers ({MAIN_MODEL}): more of their activated experts change per update, per arm "
+        "without replay at equal settings."
+    )
+    free = [r for r in rows if _no_replay(r) and r.get("update_activated") is not None]
+
+    def key(row: Row) -> tuple:
+        return (row["arm"], _engine(row), *(row.get(c) for c in _SETTINGS))
+
+    by_model = {
+        model: group_by([r | {"_key": key(r)} for r in free if r.get("model") == model], "_key")
+        for model in (SIGMOID_MODEL, MAIN_MODEL)
+    }
+    shared = [k for k in by_model[SIGMOID_MODEL] if k in by_model[MAIN_MODEL]]
+    if not shared:
+        return Claim(
+            17,
+            statement,
+            NOT_TESTED,
+            f"needs runs without replay of {SIGMOID_MODEL} and {MAIN_MODEL} of one arm at equal "
+            "settings",
+            _regime(rows),
+        )
+    parts, holds, pooled = [], True, []
+    for arm in dict.fromkeys(k[0] for k in shared):
+        sigmoid = [r for k in shared if k[0] == arm for r in by_model[SIGMOID_MODEL][k]]
+        softmax = [r for k in shared if k[0] == arm for r in by_model[MAIN_MODEL][k]]
+        a, b = _mean(sigmoid, "update_activated"), _mean(softmax, "update_activated")
+        holds &= a > b
+        pooled += sigmoid + softmax
+        parts.append(f"{arm}: {a:.2%} vs {b:.2%} (n={len(sigmoid)}/{len(softmax)})")
+    evidence = (
+        f"activated experts changed per update, {SIGMOID_MODEL} vs {MAIN_MODEL}: "
+        + "; ".join(parts)
+    )
+    return Claim(17, statement, PASS if holds else FAIL, evidence, _regime(pooled))
+
+
+def engine_precision_orders_mismatch(rows: list[Row]) -> Claim:
+    statement = (
+        "Engine precision orders the train-vs-engine mismatch: the routing mismatch and the k3 "
+        "KL of GRPO without replay rise from a float32 to a bfloat16 to a float8 engine."
+    )
+    grpo = [r for r in rows if GRPO(r)]
+    groups = group_by(
+        [r | {"_key": (r.get("model"), *(r.get(c) for c in _SETTINGS))} for r in grpo], "_key"
+    )
+    complete = [g for g in groups.values() if {_engine(r) for r in g} >= set(ENGINE_DTYPES)]
+    if not complete:
+        return Claim(
+            18,
+            statement,
+            NOT_TESTED,
+            "needs GRPO runs without replay with float32, bfloat16 and float8_emulated engines "
+            "at otherwise equal settings",
+            _regime(rows),
+        )
+    pooled = [r for g in complete for r in g]
+    parts, holds = [], True
+    for column, label, form in (
+        ("engine_routing_mismatch", "routing mismatch", "{:.2%}"),
+        ("mismatch_k3", "k3", "{:.3g}"),
+    ):
+        means = [_mean([r for r in pooled if _engine(r) == e], column) for e in ENGINE_DTYPES]
+        if any(m is None for m in means):
+            holds = False
+            parts.append(f"{label}: not measured for every engine")
+            continue
+        holds &= all(a < b for a, b in itertools.pairwise(means))
+        parts.append(
+            f"{label}: "
+            + " < ".join(f"{e} {form.format(m)}" for e, m in zip(ENGINE_DTYPES, means, strict=True))
+        )
+    evidence = "; ".join(parts) + f" ({len(pooled)} runs)"
+    return Claim(18, statement, PASS if holds else FAIL, evidence, _regime(pooled))
+
+
+def float8_reaches_moe_mismatch(rows: list[Row]) -> Claim:
+    statement = (
+        "The float8 engine reaches the MoE mismatch regime: the k3 KL between engine and trainer "
+        f"log-probs of runs without replay is >= {MOE_K3:g} (the R3 paper's ~1.5e-3 for MoE)."
+    )
+    fp8 = [
+        r
+        for r in rows
+        if _no_replay(r)
+        and _engine(r) == "float8_emulated"
+        and r.get("model") != DENSE_MODEL
+        and r.get("mismatch_k3") is not None
+    ]
+    if not fp8:
+        return Claim(
+            19,
+            statement,
+            NOT_TESTED,
+            "needs MoE runs without replay with a float8_emulated engine",
+            _regime(rows),
+        )
+    k3 = _mean(fp8, "mismatch_k3")
+    evidence = (
+        f"k3 {k3:.3g} (mean of {len(fp8)} runs; smallest {min(_values(fp8, 'mismatch_k3')):.3g})"
+    )
+    return Claim(19, statement, PASS if k3 >= MOE_K3 else FAIL, evidence, _regime(fp8))
+
+
+def corrections_instead_of_replay(rows: list[Row]) -> Claim:
+    statement = (
+        "Mismatch corrections instead of replay: with a float8 engine, GRPO + TIS and GRPO + "
+        "geometric MIS are each as stable as GRPO + R3."
+    )
+    fp8 = [r for r in rows if _engine(r) == "float8_emulated"]
+    parts, holds, tested, untested = [], True, [], []
+    for name, arm in (("TIS", GRPO_TIS), ("geometric MIS", GRPO_MIS)):
+        cells = _cells(fp8, arm, GRPO_R3)
+        if not cells:
+            untested.append(name)
+            continue
+        tested += _pooled(cells, 0)
+        for corrected, r3 in cells:
+            stable, text = _stable_as(corrected, r3)
+            holds &= stable
+            parts.append(f"{name} vs R3 at {corrected[0]['cell']}: {text}")
+    if untested:
+        parts.append("no float8 cell holds GRPO + R3 and GRPO + " + " or ".join(untested))
+    verdict = FAIL if not holds else NOT_TESTED if untested else PASS
+    return Claim(20, statement, verdict, "; ".join(parts), _regime(tested or rows))
+
+
+def main_regime_holds(rows: list[Row]) -> Claim:
+    statement = (
+        f"The main regime holds: on the main model ({MAIN_MODEL}) at the base point, at least "
+        f"{STRONG_DRIFT:.0%} of the activated experts change per update without replay."
+    )
+    free = [r for r in _main_base(rows) if _no_replay(r) and r.get("update_activated") is not None]
+    if not free:
+        return Claim(
+            21,
+            statement,
+            NOT_TESTED,
+            f"needs runs without replay of {MAIN_MODEL} at the base point with update_activated",
+            _regime(rows),
+        )
+    drift = _mean(free, "update_activated")
+    evidence = (
+        f"{drift:.2%} of activated experts changed per update (mean of {len(free)} runs; "
+        f"smallest {min(_values(free, 'update_activated')):.2%})"
+    )
+    return Claim(21, statement, PASS if drift >= STRONG_DRIFT else FAIL, evidence, _regime(free))
 
 
 CLAIMS = (
     drift_after_update,
-    drift_grows_with_depth,
+    later_layers_drift_more,
     tails_fatten_without_replay,
+    routing_causes_most_log_ratio,
     gspo_clips_far_more,
     gspo_as_stable_as_r2,
     on_policy_needs_no_replay,
     engine_logprobs_suffice,
     replay_is_cheap,
+    two_minibatches_need_r2,
+    four_minibatches_need_r3,
+    r3_cuts_engine_mismatch,
+    frozen_router_as_stable_and_cheaper,
+    near_ties_predict_layer_drift,
+    precursor_before_collapse,
+    dense_control_does_not_collapse,
+    sigmoid_routers_drift_more,
+    engine_precision_orders_mismatch,
+    float8_reaches_moe_mismatch,
+    corrections_instead_of_replay,
+    main_regime_holds,
 )
 
 

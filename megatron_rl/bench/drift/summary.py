@@ -10,6 +10,15 @@ A **collapse event** is one of:
   alone rarely makes it, a lasting fall does. Counted once per fall;
 - `reward`: the mean sampled reward at or below `REWARD_FLOOR` on `REWARD_FLOOR_STEPS`
   consecutive steps (the policy has stopped producing right answers). Counted once per stretch.
+
+A run with collapse events also gets its **precursor**: of the gradient norm, the routing drift
+(`routing/update_activated_experts`, else `routing/drift_token_layer`), the train-vs-engine
+mismatch (`mismatch/k3`) and the entropy (`entropy/mean`), the one that moved first strictly
+before the first collapse step. A metric moves at the first step whose value is more than
+`PRECURSOR_Z` standard deviations from its baseline's mean, the baseline being its first
+`PRECURSOR_BASELINE` values (population standard deviation, floored at 1e-12 x |mean| + 1e-12 so
+that a flat baseline does not divide by zero). Ties go to the earlier metric in the order above;
+none if no metric moved or fewer than `PRECURSOR_BASELINE` values precede the collapse.
 """
 
 from __future__ import annotations
@@ -32,6 +41,16 @@ ACCURACY_DROP = 0.15
 RECOVERY_EVALS = 2
 REWARD_FLOOR = 0.02
 REWARD_FLOOR_STEPS = 3
+PRECURSOR_Z = 3.0
+PRECURSOR_BASELINE = 5
+
+# precursor name -> the per-step metrics it reads, the first one any record has
+PRECURSOR_METRICS = {
+    "grad_norm": ("grad_norm",),
+    "drift": ("routing/update_activated_experts", "routing/drift_token_layer"),
+    "mismatch": ("mismatch/k3",),
+    "entropy": ("entropy/mean",),
+}
 
 # summary column -> the per-step metric it averages over the run's steps
 STEP_MEANS = {
@@ -113,6 +132,37 @@ def collapse_events(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
     return sorted(events)
 
 
+def collapse_precursor(records: list[dict[str, Any]], collapse_step: int) -> tuple[str, int | None]:
+    """(name, step) of the metric that moved first before `collapse_step` (module docstring), or
+    ("", None) when none did. Training steps only (step > 0), like the summary's means."""
+    first: tuple[str, int | None] = ("", None)
+    for name, keys in PRECURSOR_METRICS.items():
+        key = next((k for k in keys if any(r.get(k) is not None for r in records)), None)
+        if key is None:
+            continue
+        series = sorted(
+            (r["step"], r[key])
+            for r in records
+            if r.get(key) is not None and 0 < r["step"] < collapse_step
+        )
+        if len(series) <= PRECURSOR_BASELINE:
+            continue
+        baseline = [value for _, value in series[:PRECURSOR_BASELINE]]
+        mean = statistics.fmean(baseline)
+        std = max(statistics.pstdev(baseline), 1e-12 * abs(mean) + 1e-12)
+        moved = next(
+            (
+                step
+                for step, value in series[PRECURSOR_BASELINE:]
+                if abs(value - mean) > PRECURSOR_Z * std
+            ),
+            None,
+        )
+        if moved is not None and (first[1] is None or moved < first[1]):
+            first = (name, moved)
+    return first
+
+
 def summarize_run(
     grid: DriftGrid, out: Path, run: PlannedRun, records: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -149,7 +199,18 @@ def summarize_run(
         "best_accuracy": max(accuracies) if accuracies else None,
         "collapse_events": len(events),
         "collapses": " ".join(f"{kind}@{step}" for step, kind in events),
+        "first_collapse_step": None,
+        "precursor": "",
+        "precursor_step": None,
     }
+    if events:
+        first_collapse = min(step for step, _ in events)
+        precursor, precursor_step = collapse_precursor(records, first_collapse)
+        row |= {
+            "first_collapse_step": first_collapse,
+            "precursor": precursor,
+            "precursor_step": precursor_step,
+        }
     for column, key in STEP_MEANS.items():
         values = [r[key] for r in steps if r.get(key) is not None]
         combine = max if column in _STEP_MAXIMA else statistics.fmean

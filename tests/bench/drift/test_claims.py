@@ -1,44 +1,58 @@
 """Each claim on synthetic summary rows: it passes on data that supports it, fails when the data
-behind it is changed, and is not tested without the runs it needs."""
+behind it is changed, and is not tested without the runs it needs. And the collapse events and
+their precursor on hand-made per-step records."""
 
 from __future__ import annotations
 
 import pytest
 
 from megatron_rl.bench.drift import claims
-from megatron_rl.bench.drift.summary import collapse_events
+from megatron_rl.bench.drift.summary import collapse_events, collapse_precursor
 
+# arm -> (loss, routing_replay, mismatch, freeze_router)
 ARMS = {
-    "grpo": ("grpo", "none", "none"),
-    "grpo_r2": ("grpo", "r2", "none"),
-    "gspo": ("gspo", "none", "none"),
-    "gspo_engine_logp": ("gspo", "none", "bypass"),
+    "grpo": ("grpo", "none", "none", False),
+    "grpo_r2": ("grpo", "r2", "none", False),
+    "grpo_r3": ("grpo", "r3", "none", False),
+    "gspo": ("gspo", "none", "none", False),
+    "gspo_engine_logp": ("gspo", "none", "bypass", False),
+    "grpo_frozen_router": ("grpo", "none", "none", True),
+    "grpo_tis": ("grpo", "none", "tis", False),
+    "grpo_mis_geometric": ("grpo", "none", "mis", False),
 }
 
 
 def row(arm: str, seed: int = 1, cell: str = "base", **values) -> dict:
-    loss, replay, mismatch = ARMS[arm]
-    drift = None if replay != "none" or mismatch == "bypass" else 0.02
+    loss, replay, mismatch, frozen = ARMS[arm]
+    drift = None if replay != "none" else 0.02
     return {
         "run_id": f"{arm}--{cell}--seed{seed}",
         "arm": arm,
         "cell": cell,
         "seed": seed,
         "state": "done",
+        "model": "fine_qwen3",
+        "engine_dtype": "float32",
         "loss": loss,
         "routing_replay": replay,
         "mismatch": mismatch,
+        "freeze_router": frozen,
         "updates_per_batch": 4,
         "lr": 2e-4,
-        "layers": 4,
+        "layers": 8,
         "collapse_events": 0,
+        "precursor": "",
         "final_accuracy": 0.7 + 0.01 * seed,
+        "update_activated": drift,
         "drift_token_layer": drift,
         "drift_token_any": None if drift is None else 0.08,
-        "replay_miss_max": 0.0 if replay == "r2" else None,
+        "replay_miss_max": 0.0 if replay != "none" else None,
         "clip_frac_token": 0.2 if loss == "gspo" else 0.002,
         "log_ratio_abs_max": 1.0 if replay == "none" else 0.5,
         "log_ratio_outside_0.8_1.25": 0.01 if replay == "none" else 0.005,
+        "log_ratio_var_share": 0.7 if replay == "none" else None,
+        "mismatch_k3": 1e-4,
+        "engine_routing_mismatch": 0.0,
         "old_logprob_s": 0.0 if mismatch == "bypass" else 0.2,
         "step_s": 1.2,
         "learn_s_per_1k_tokens": 0.5,
@@ -50,49 +64,86 @@ def arms(*names: str, seeds=(1, 2, 3), cell="base", **values) -> list[dict]:
     return [row(name, seed, cell, **values) for name in names for seed in seeds]
 
 
+def change(rows: list[dict], arm: str, **values) -> list[dict]:
+    """`rows` with `values` set in the rows of `arm`."""
+    return [r | values if r["arm"] == arm else r for r in rows]
+
+
 def verdict(check, rows) -> str:
     return check(rows).verdict
+
+
+def test_regime_is_the_share_of_activated_experts_changed_per_update():
+    regime = claims.drift_after_update(arms("grpo", "grpo_r2")).regime
+    assert regime == (
+        "2.00% of activated experts changed per update (mean of the runs without replay, "
+        "model fine_qwen3, engine float32)"
+    )
+    two_models = arms("grpo") + arms("grpo", cell="m", model="fine_deepseek")
+    assert "model" not in claims._regime(two_models)
+    old = [r | {"update_activated": None} for r in arms("grpo")]
+    assert claims._regime(old) == (
+        "2.00% token-layer drift per step (mean of the runs without replay)"
+    )
+
+
+def test_grpo_arm_leaves_out_frozen_routers_and_reads_a_missing_flag_as_trained():
+    frozen = arms("grpo_frozen_router", "grpo_r2")
+    assert verdict(claims.tails_fatten_without_replay, frozen) == "NOT TESTED"
+    unflagged = [{k: v for k, v in r.items() if k != "freeze_router"} for r in arms("grpo")]
+    assert all(claims.GRPO(r) for r in unflagged)
+    assert claims.GRPO_FROZEN(row("grpo_frozen_router") | {"freeze_router": "True"})
 
 
 def test_drift_after_update_fails_on_zero_drift_or_a_replay_miss():
     rows = arms("grpo", "grpo_r2")
     assert verdict(claims.drift_after_update, rows) == "PASS"
-    still = [r | {"drift_token_layer": 0.0} if r["arm"] == "grpo" else r for r in rows]
+    still = [*rows[1:], rows[0] | {"update_activated": 0.0}]
     assert verdict(claims.drift_after_update, still) == "FAIL"
     missed = [*rows[:-1], rows[-1] | {"replay_miss_max": 0.01}]
     assert verdict(claims.drift_after_update, missed) == "FAIL"
-    on_policy = [r | {"updates_per_batch": 1} for r in rows]
-    assert verdict(claims.drift_after_update, on_policy) == "NOT TESTED"
+    unmeasured = [r | {"update_activated": None} for r in rows]
+    assert verdict(claims.drift_after_update, unmeasured) == "NOT TESTED"
+    assert verdict(claims.drift_after_update, arms("grpo")) == "NOT TESTED"
 
 
-def depth_rows(token_any: dict[int, float], later: bool = True) -> list[dict]:
-    rows = []
-    for depth, share in token_any.items():
-        per_layer = {
-            f"drift_layer_{i}": 0.01 * (i + 1 if later else depth - i) for i in range(depth)
-        }
-        cell = "base" if depth == 4 else f"layers={depth}"
-        rows += arms("grpo", cell=cell, layers=depth, drift_token_any=share, **per_layer)
-    return rows
+def layer_rows(later: bool = True, model: str = "fine_qwen3", layers=range(8)) -> list[dict]:
+    n = len(layers)
+    per_layer = {
+        f"update_activated_layer_{i}": 0.01 * (k + 1 if later else n - k)
+        for k, i in enumerate(layers)
+    }
+    return arms("grpo", "grpo_r2", model=model, **per_layer)
 
 
-def test_drift_grows_with_depth_fails_when_it_does_not():
-    assert verdict(claims.drift_grows_with_depth, depth_rows({2: 0.1, 4: 0.2, 8: 0.4})) == "PASS"
-    flat = depth_rows({2: 0.1, 4: 0.2, 8: 0.15})
-    assert verdict(claims.drift_grows_with_depth, flat) == "FAIL"
-    early = depth_rows({2: 0.1, 4: 0.2, 8: 0.4}, later=False)
-    assert verdict(claims.drift_grows_with_depth, early) == "FAIL"
-    assert verdict(claims.drift_grows_with_depth, depth_rows({4: 0.2})) == "NOT TESTED"
+def test_later_layers_drift_more_on_the_main_model():
+    assert verdict(claims.later_layers_drift_more, layer_rows()) == "PASS"
+    dense_first = layer_rows(layers=range(1, 8))  # model layer numbering: layer 0 is dense
+    assert verdict(claims.later_layers_drift_more, dense_first) == "PASS"
+    assert verdict(claims.later_layers_drift_more, layer_rows(later=False)) == "FAIL"
+    other = layer_rows(model="fine_deepseek")
+    assert verdict(claims.later_layers_drift_more, other) == "NOT TESTED"
+    assert verdict(claims.later_layers_drift_more, layer_rows(layers=[3])) == "NOT TESTED"
+    off_base = [r | {"cell": "lr=4e-4"} for r in layer_rows()]
+    assert verdict(claims.later_layers_drift_more, off_base) == "NOT TESTED"
 
 
 def test_tails_fatten_without_replay_fails_when_replay_has_the_fatter_tail():
     rows = arms("grpo", "grpo_r2")
     assert verdict(claims.tails_fatten_without_replay, rows) == "PASS"
-    swapped = [
-        r | {"log_ratio_outside_0.8_1.25": 0.02} if r["arm"] == "grpo_r2" else r for r in rows
-    ]
+    swapped = change(rows, "grpo_r2", **{"log_ratio_outside_0.8_1.25": 0.02})
     assert verdict(claims.tails_fatten_without_replay, swapped) == "FAIL"
     assert verdict(claims.tails_fatten_without_replay, arms("grpo")) == "NOT TESTED"
+
+
+def test_routing_causes_most_log_ratio_on_the_main_model():
+    rows = arms("grpo", "gspo", "grpo_r2")
+    claim = claims.routing_causes_most_log_ratio(rows)
+    assert claim.verdict == "PASS" and "70.0%" in claim.evidence
+    half_off = change(rows, "gspo", log_ratio_var_share=0.2)  # mean 45%
+    assert verdict(claims.routing_causes_most_log_ratio, half_off) == "FAIL"
+    tiny = [r | {"model": "tiny"} for r in rows]
+    assert verdict(claims.routing_causes_most_log_ratio, tiny) == "NOT TESTED"
 
 
 def test_gspo_clips_far_more_needs_ten_times_grpo():
@@ -100,29 +151,28 @@ def test_gspo_clips_far_more_needs_ten_times_grpo():
     assert verdict(claims.gspo_clips_far_more, rows) == "PASS"
     close = [r | {"clip_frac_token": 0.05} if r["loss"] == "grpo" else r for r in rows]
     assert verdict(claims.gspo_clips_far_more, close) == "FAIL"
+    assert verdict(claims.gspo_clips_far_more, arms("grpo")) == "NOT TESTED"
 
 
 def test_gspo_stability_is_tested_only_at_strong_drift():
     weak = arms("gspo", "grpo_r2")
-    assert verdict(claims.gspo_as_stable_as_r2, weak) == "NOT TESTED"  # 2% < 5% drift
-    strong = [r | {"drift_token_layer": 0.08} if r["arm"] == "gspo" else r for r in weak]
+    claim = claims.gspo_as_stable_as_r2(weak)  # 2% < 5% of activated experts
+    assert claim.verdict == "NOT TESTED" and "largest mean: 2.00%" in claim.evidence
+    strong = change(weak, "gspo", update_activated=0.08)
     assert verdict(claims.gspo_as_stable_as_r2, strong) == "PASS"
-    collapsing = [r | {"collapse_events": 1} if r["arm"] == "gspo" else r for r in strong]
+    collapsing = change(strong, "gspo", collapse_events=1)
     assert verdict(claims.gspo_as_stable_as_r2, collapsing) == "FAIL"
-    worse = [r | {"final_accuracy": 0.5} if r["arm"] == "gspo" else r for r in strong]
+    worse = change(strong, "gspo", final_accuracy=0.5)
     assert verdict(claims.gspo_as_stable_as_r2, worse) == "FAIL"
 
 
 def test_on_policy_claim_needs_both_halves():
     on = arms("grpo", "grpo_r2", cell="updates_per_batch=1", updates_per_batch=1)
-    off_bad = [
-        r | {"collapse_events": 2} if r["arm"] == "grpo" else r
-        for r in arms("grpo", "grpo_r2", cell="updates_per_batch=8", updates_per_batch=8)
-    ]
-    assert verdict(claims.on_policy_needs_no_replay, on + off_bad) == "PASS"
     off_fine = arms("grpo", "grpo_r2", cell="updates_per_batch=8", updates_per_batch=8)
+    off_bad = change(off_fine, "grpo", collapse_events=2)
+    assert verdict(claims.on_policy_needs_no_replay, on + off_bad) == "PASS"
     assert verdict(claims.on_policy_needs_no_replay, on + off_fine) == "FAIL"
-    on_bad = [r | {"final_accuracy": 0.3} if r["arm"] == "grpo" else r for r in on]
+    on_bad = change(on, "grpo", final_accuracy=0.3)
     assert verdict(claims.on_policy_needs_no_replay, on_bad + off_bad) == "FAIL"
     assert verdict(claims.on_policy_needs_no_replay, off_bad) == "NOT TESTED"
 
@@ -133,22 +183,236 @@ def test_engine_logprobs_claim_needs_stability_and_a_saving():
     assert claim.verdict == "PASS" and "0.200 s per step" in claim.evidence
     no_saving = [r | {"old_logprob_s": 0.2} for r in rows]
     assert verdict(claims.engine_logprobs_suffice, no_saving) == "FAIL"
-    unstable = [r | {"collapse_events": 1} if r["mismatch"] == "bypass" else r for r in rows]
+    unstable = change(rows, "gspo_engine_logp", collapse_events=1)
     assert verdict(claims.engine_logprobs_suffice, unstable) == "FAIL"
+    assert verdict(claims.engine_logprobs_suffice, arms("gspo")) == "NOT TESTED"
 
 
 def test_replay_cost_claim_fails_above_its_threshold():
     rows = arms("grpo", "grpo_r2")
     assert verdict(claims.replay_is_cheap, rows) == "PASS"
-    slow = [r | {"learn_s_per_1k_tokens": 0.6} if r["arm"] == "grpo_r2" else r for r in rows]
+    slow = change(rows, "grpo_r2", learn_s_per_1k_tokens=0.6)
     assert verdict(claims.replay_is_cheap, slow) == "FAIL"  # +20%
+    assert verdict(claims.replay_is_cheap, arms("grpo")) == "NOT TESTED"
 
 
-def test_check_claims_leaves_out_unfinished_runs():
+def test_two_minibatches_need_r2_at_a_float32_engine():
+    fine = arms("grpo", "grpo_r2", cell="updates_per_batch=2", updates_per_batch=2)
+    unstable = change(fine, "grpo", collapse_events=1)
+    assert verdict(claims.two_minibatches_need_r2, unstable) == "PASS"
+    assert verdict(claims.two_minibatches_need_r2, fine) == "FAIL"
+    bf16 = [r | {"engine_dtype": "bfloat16"} for r in unstable]
+    assert verdict(claims.two_minibatches_need_r2, bf16) == "NOT TESTED"
+    four = [r | {"updates_per_batch": 4} for r in unstable]
+    assert verdict(claims.two_minibatches_need_r2, four) == "NOT TESTED"
+
+
+def test_four_minibatches_need_r3_only_with_a_low_precision_engine():
+    fine = arms("grpo_r2", "grpo_r3", cell="engine=bf16", engine_dtype="bfloat16")
+    r2_worse = change(fine, "grpo_r2", final_accuracy=0.4)
+    assert verdict(claims.four_minibatches_need_r3, r2_worse) == "PASS"
+    fp8 = [r | {"engine_dtype": "float8_emulated", "updates_per_batch": 8} for r in r2_worse]
+    assert verdict(claims.four_minibatches_need_r3, fp8) == "PASS"
+    assert verdict(claims.four_minibatches_need_r3, fine) == "FAIL"
+    float32 = [r | {"engine_dtype": "float32"} for r in r2_worse]
+    assert verdict(claims.four_minibatches_need_r3, float32) == "NOT TESTED"
+    two = [r | {"updates_per_batch": 2} for r in r2_worse]
+    assert verdict(claims.four_minibatches_need_r3, two) == "NOT TESTED"
+
+
+def test_r3_cuts_the_engine_mismatch_with_a_low_precision_engine():
+    rows = change(
+        arms("grpo", "grpo_r3", cell="engine=bf16", engine_dtype="bfloat16"),
+        "grpo",
+        mismatch_k3=2e-3,
+        engine_routing_mismatch=0.03,
+    )
+    rows = change(rows, "grpo_r3", mismatch_k3=5e-4)
+    assert verdict(claims.r3_cuts_engine_mismatch, rows) == "PASS"
+    higher = change(rows, "grpo_r3", mismatch_k3=3e-3)
+    assert verdict(claims.r3_cuts_engine_mismatch, higher) == "FAIL"
+    missed = change(rows, "grpo_r3", replay_miss_max=0.01)
+    assert verdict(claims.r3_cuts_engine_mismatch, missed) == "FAIL"
+    same_routing = change(rows, "grpo", engine_routing_mismatch=0.0)
+    assert verdict(claims.r3_cuts_engine_mismatch, same_routing) == "FAIL"
+    float32 = [r | {"engine_dtype": "float32"} for r in rows]
+    assert verdict(claims.r3_cuts_engine_mismatch, float32) == "NOT TESTED"
+
+
+def test_frozen_router_needs_stability_and_shorter_steps():
+    rows = change(arms("grpo_frozen_router", "grpo_r2"), "grpo_frozen_router", step_s=1.0)
+    assert verdict(claims.frozen_router_as_stable_and_cheaper, rows) == "PASS"
+    slower = change(rows, "grpo_frozen_router", step_s=1.3)
+    assert verdict(claims.frozen_router_as_stable_and_cheaper, slower) == "FAIL"
+    collapsing = change(rows, "grpo_frozen_router", collapse_events=1)
+    assert verdict(claims.frozen_router_as_stable_and_cheaper, collapsing) == "FAIL"
+    no_frozen = arms("grpo", "grpo_r2")
+    assert verdict(claims.frozen_router_as_stable_and_cheaper, no_frozen) == "NOT TESTED"
+
+
+def test_spearman_uses_average_ranks_for_ties():
+    assert claims.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert claims.spearman([1, 2, 3], [3, 1, 0]) == pytest.approx(-1.0)
+    # ranks 1, 2.5, 2.5, 4 against 1..4: 4.5 / sqrt(4.5 x 5)
+    assert claims.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
+    assert claims.spearman([1, 1, 1], [1, 2, 3]) is None
+    assert claims.spearman([1], [1]) is None
+
+
+def tie_rows(predicts: bool = True, model: str = "fine_qwen3") -> list[dict]:
+    rows = []
+    for seed in (1, 2, 3):
+        values = {}
+        for layer in (1, 2, 3, 4):
+            tie = 0.01 * layer + 0.001 * seed
+            values[f"near_tie_layer_{layer}"] = tie
+            values[f"update_activated_layer_{layer}"] = 2 * tie if predicts else 0.1 - tie
+        rows.append(row("grpo", seed, model=model, **values))
+        rows.append(row("grpo_r2", seed, model=model, **values))
+    return rows
+
+
+def test_near_ties_predict_layer_drift_on_the_fine_models():
+    claim = claims.near_ties_predict_layer_drift(tie_rows())
+    assert claim.verdict == "PASS" and "1.00 over 12 (run, layer) pairs" in claim.evidence
+    deepseek = tie_rows(model="fine_deepseek")
+    assert verdict(claims.near_ties_predict_layer_drift, deepseek) == "PASS"
+    assert verdict(claims.near_ties_predict_layer_drift, tie_rows(predicts=False)) == "FAIL"
+    tiny = tie_rows(model="tiny")
+    assert verdict(claims.near_ties_predict_layer_drift, tiny) == "NOT TESTED"
+
+
+def test_every_collapse_needs_a_precursor():
+    rows = change(arms("grpo", "grpo_r2"), "grpo", collapse_events=1, precursor="grad_norm")
+    claim = claims.precursor_before_collapse(rows)
+    assert claim.verdict == "PASS" and "3 of 3 collapsed runs" in claim.evidence
+    silent = [*rows[1:], rows[0] | {"precursor": ""}]
+    claim = claims.precursor_before_collapse(silent)
+    assert claim.verdict == "FAIL" and rows[0]["run_id"] in claim.evidence
+    assert verdict(claims.precursor_before_collapse, arms("grpo", "grpo_r2")) == "NOT TESTED"
+
+
+def dense_rows(lr: float = 2e-4) -> list[dict]:
+    main = arms("grpo", "grpo_r2")
+    dense = arms("grpo", "grpo_r2", cell="model=dense", model="dense_control", lr=lr)
+    return main + dense
+
+
+def test_dense_control_does_not_collapse_at_the_main_learning_rate():
+    assert verdict(claims.dense_control_does_not_collapse, dense_rows()) == "PASS"
+    collapsed = [
+        r | {"collapse_events": 1} if r["model"] == "dense_control" and r["seed"] == 2 else r
+        for r in dense_rows()
+    ]
+    assert verdict(claims.dense_control_does_not_collapse, collapsed) == "FAIL"
+    other_lr = dense_rows(lr=4e-4)
+    assert verdict(claims.dense_control_does_not_collapse, other_lr) == "NOT TESTED"
+
+
+def model_rows(deepseek_drift: float = 0.09, **deepseek_values) -> list[dict]:
+    qwen = arms("grpo", "gspo", "grpo_r2", update_activated=0.06)
+    deepseek = arms(
+        "grpo",
+        "gspo",
+        "grpo_r2",
+        cell="model=fine_deepseek",
+        model="fine_deepseek",
+        update_activated=deepseek_drift,
+        **deepseek_values,
+    )
+    return qwen + deepseek
+
+
+def test_sigmoid_routers_drift_more_per_arm_at_equal_settings():
+    claim = claims.sigmoid_routers_drift_more(model_rows())
+    assert claim.verdict == "PASS" and "grpo: 9.00% vs 6.00%" in claim.evidence
+    assert "grpo_r2" not in claim.evidence  # replay arms do not count
+    one_arm_less = [
+        r | {"update_activated": 0.03}
+        if r["model"] == "fine_deepseek" and r["arm"] == "gspo"
+        else r
+        for r in model_rows()
+    ]
+    assert verdict(claims.sigmoid_routers_drift_more, one_arm_less) == "FAIL"
+    unequal = model_rows(lr=4e-4)
+    assert verdict(claims.sigmoid_routers_drift_more, unequal) == "NOT TESTED"
+    deeper = model_rows(layers=12)
+    assert verdict(claims.sigmoid_routers_drift_more, deeper) == "NOT TESTED"
+
+
+def precision_rows(k3: dict[str, float], routing: dict[str, float]) -> list[dict]:
+    return [
+        r
+        for dtype in k3
+        for r in arms(
+            "grpo",
+            "grpo_r3",
+            cell=f"engine={dtype}",
+            engine_dtype=dtype,
+            mismatch_k3=k3[dtype],
+            engine_routing_mismatch=routing[dtype],
+        )
+    ]
+
+
+def test_engine_precision_orders_the_mismatch():
+    k3 = {"float32": 0.0, "bfloat16": 5e-4, "float8_emulated": 2e-3}
+    routing = {"float32": 0.0, "bfloat16": 0.01, "float8_emulated": 0.03}
+    assert verdict(claims.engine_precision_orders_mismatch, precision_rows(k3, routing)) == "PASS"
+    swapped = k3 | {"bfloat16": 3e-3}
+    rows = precision_rows(swapped, routing)
+    assert verdict(claims.engine_precision_orders_mismatch, rows) == "FAIL"
+    flat = routing | {"bfloat16": 0.0}
+    assert verdict(claims.engine_precision_orders_mismatch, precision_rows(k3, flat)) == "FAIL"
+    two = {d: v for d, v in k3.items() if d != "bfloat16"}
+    rows = precision_rows(two, routing)
+    assert verdict(claims.engine_precision_orders_mismatch, rows) == "NOT TESTED"
+
+
+def test_float8_engine_reaches_the_moe_mismatch_regime():
+    rows = arms("grpo", "grpo_tis", "grpo_r3", engine_dtype="float8_emulated", mismatch_k3=2e-3)
+    dense = arms("grpo", cell="dense", engine_dtype="float8_emulated", model="dense_control")
+    assert verdict(claims.float8_reaches_moe_mismatch, rows + dense) == "PASS"  # dense left out
+    small = change(rows, "grpo", mismatch_k3=2e-4)  # mean of GRPO and GRPO + TIS: 1.1e-3
+    assert verdict(claims.float8_reaches_moe_mismatch, small) == "PASS"
+    smaller = change(small, "grpo_tis", mismatch_k3=1.5e-3)  # 8.5e-4
+    assert verdict(claims.float8_reaches_moe_mismatch, smaller) == "FAIL"
+    float32 = [r | {"engine_dtype": "float32"} for r in rows]
+    assert verdict(claims.float8_reaches_moe_mismatch, float32) == "NOT TESTED"
+
+
+def test_corrections_are_as_stable_as_r3_with_a_float8_engine():
+    rows = arms("grpo_tis", "grpo_mis_geometric", "grpo_r3", engine_dtype="float8_emulated")
+    assert verdict(claims.corrections_instead_of_replay, rows) == "PASS"
+    tis_collapses = change(rows, "grpo_tis", collapse_events=1)
+    assert verdict(claims.corrections_instead_of_replay, tis_collapses) == "FAIL"
+    mis_worse = change(rows, "grpo_mis_geometric", final_accuracy=0.4)
+    assert verdict(claims.corrections_instead_of_replay, mis_worse) == "FAIL"
+    no_mis = [r for r in rows if r["arm"] != "grpo_mis_geometric"]
+    assert verdict(claims.corrections_instead_of_replay, no_mis) == "NOT TESTED"
+    no_mis_tis_collapses = [r for r in tis_collapses if r["arm"] != "grpo_mis_geometric"]
+    assert verdict(claims.corrections_instead_of_replay, no_mis_tis_collapses) == "FAIL"
+    bf16 = [r | {"engine_dtype": "bfloat16"} for r in rows]
+    assert verdict(claims.corrections_instead_of_replay, bf16) == "NOT TESTED"
+
+
+def test_main_regime_holds_at_five_percent():
+    rows = arms("grpo", "gspo", "grpo_r2", update_activated=0.06)
+    assert verdict(claims.main_regime_holds, rows) == "PASS"
+    weak = arms("grpo", "gspo", "grpo_r2")  # 2%
+    assert verdict(claims.main_regime_holds, weak) == "FAIL"
+    tiny = [r | {"model": "tiny"} for r in rows]
+    assert verdict(claims.main_regime_holds, tiny) == "NOT TESTED"
+
+
+def test_check_claims_numbers_all_21_and_leaves_out_unfinished_runs():
     rows = arms("grpo", "grpo_r2")
-    crashed = [r | {"state": "crashed"} if r["arm"] == "grpo_r2" else r for r in rows]
+    checked = claims.check_claims(rows)
+    assert [c.number for c in checked] == list(range(1, 22))
+    assert all(c.verdict in ("PASS", "FAIL", "NOT TESTED") and c.regime for c in checked)
+    crashed = change(rows, "grpo_r2", state="crashed")
     by_number = {c.number: c.verdict for c in claims.check_claims(crashed)}
-    assert by_number[1] == "NOT TESTED" and len(by_number) == 8
+    assert by_number[1] == "NOT TESTED" and len(by_number) == 21
 
 
 def records(accuracies: dict[int, float], rewards: dict[int, float] | None = None) -> list[dict]:
@@ -181,3 +445,49 @@ def test_reward_and_nonfinite_collapses():
     assert collapse_events(low) == [(4, "reward")]
     skipped = [{"step": 1, "steps/skipped": 1.0}, {"step": 2, "steps/skipped": 0.0}]
     assert collapse_events(skipped) == [(1, "nonfinite")]
+
+
+def step_records(jumps: dict[str, int], steps: int = 15) -> list[dict]:
+    """Steps 1..`steps` with every precursor metric noisy around a level, and metric `m`
+    jumping far from it from step `jumps[m]` on; a step-0 evaluation record first."""
+    levels = {
+        "grad_norm": 1.0,
+        "routing/update_activated_experts": 0.05,
+        "mismatch/k3": 1e-3,
+        "entropy/mean": 0.8,
+    }
+    out = [{"step": 0, "eval/accuracy": 0.6}]
+    for step in range(1, steps + 1):
+        record = {"step": step}
+        for key, level in levels.items():
+            value = level * (1 + 0.02 * (-1) ** step)
+            record[key] = value * 5 if step >= jumps.get(key, steps + 1) else value
+        out.append(record)
+    return out
+
+
+def test_precursor_is_the_metric_that_moved_first_before_the_collapse():
+    assert collapse_precursor(step_records({"grad_norm": 8}), 12) == ("grad_norm", 8)
+    assert collapse_precursor(step_records({}), 12) == ("", None)
+    later = {"grad_norm": 9, "entropy/mean": 7, "mismatch/k3": 10}
+    assert collapse_precursor(step_records(later), 12) == ("entropy", 7)
+    # a tie goes to the earlier metric: grad_norm, drift, mismatch, entropy
+    tie = {"mismatch/k3": 8, "routing/update_activated_experts": 8}
+    assert collapse_precursor(step_records(tie), 12) == ("drift", 8)
+    # a move at or after the collapse is no precursor
+    assert collapse_precursor(step_records({"grad_norm": 12}), 12) == ("", None)
+    # the baseline is the first 5 steps: a collapse at step 6 leaves nothing to compare
+    assert collapse_precursor(step_records({"grad_norm": 2}), 6) == ("", None)
+
+
+def test_precursor_drift_falls_back_and_a_flat_baseline_moves_on_any_change():
+    old = [
+        {
+            ("routing/drift_token_layer" if k == "routing/update_activated_experts" else k): v
+            for k, v in r.items()
+        }
+        for r in step_records({"routing/update_activated_experts": 9})
+    ]
+    assert collapse_precursor(old, 12) == ("drift", 9)
+    flat = [{"step": s, "grad_norm": 1.0 if s < 7 else 1.001} for s in range(1, 13)]
+    assert collapse_precursor(flat, 12) == ("grad_norm", 7)
