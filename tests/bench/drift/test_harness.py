@@ -16,7 +16,13 @@ from megatron_rl.bench.drift import (
     report_drift_benchmark,
     run_drift_benchmark,
 )
-from megatron_rl.bench.drift.grid import GridError, load_grid
+from megatron_rl.bench.drift.grid import (
+    DEFAULT_GRID,
+    QUICK_GRID,
+    REGIME_LR,
+    GridError,
+    load_grid,
+)
 from megatron_rl.bench.drift.runner import check_results_dir
 from tests.trainer.run_cli import RECIPE, SHORT_RUN
 
@@ -144,6 +150,18 @@ def test_a_job_array_runs_one_run_per_task_then_reports(tmp_path, capsys):
             {"sweeps": [{"name": "s", "field": "optim.lr", "values": [1e-4], "arms": ["sspo"]}]},
             r"'sspo' is not an arm of the grid",
         ),
+        (
+            {"sweeps": [{"name": "s", "field": "base_model.shape", "values": ["huge_moe"]}]},
+            r"base_model.shape expects one of the tiny-model script's shapes \(.*fine_qwen3",
+        ),
+        (
+            {
+                "set": {"base_model.shape": "fine_qwen3"},
+                "sweeps": [{"name": "s", "field": "base_model.layers", "values": [2]}],
+            },
+            r"base_model.shape: a named shape fixes layers, experts and topk",
+        ),
+        ({"base_arms": ["grpo"]}, r"base_arms: 'grpo' is not an arm of the grid"),
         ({"seeds": []}, r"seeds: expected a non-empty list of integers"),
         ({"jobs": 2}, r"grid: unknown key 'jobs'"),
     ],
@@ -173,16 +191,48 @@ def test_cli_refuses_zero_jobs_and_a_foreign_directory(tmp_path):
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
 
 
-def test_default_grid_plans_every_arm_and_sweep():
+def test_default_grid_plans_the_papers_regime():
     grid = load_grid(str(RECIPE), None)
+    base = [run for run in grid.runs if run.cell == "base"]
+    assert {run.arm for run in base} == set(DEFAULT_GRID["base_arms"])
+    assert all(run.shape == {"shape": "fine_qwen3"} for run in base)
+    assert all(run.recipe.metrics.routing_probe for run in grid.runs)
+    assert {run.recipe.optim.lr for run in grid.runs} == {REGIME_LR}
+
+    def engine(run):
+        return run.recipe.rollout.engine_dtype
+
+    bf16 = [run for run in grid.runs if engine(run) == "bfloat16"]
+    assert {run.recipe.algo.updates_per_batch for run in bf16} == {1, 2, 4, 8}
+    assert {run.arm for run in bf16} == {"grpo", "grpo_r2", "grpo_r3", "gspo"}
+    fp8 = {run.arm for run in grid.runs if engine(run) == "float8_emulated"}
+    assert fp8 == {"grpo", "grpo_r2", "grpo_r3", "gspo", "grpo_tis", "grpo_mis_geometric"}
+    # R3 and the corrections never run at the float32 engine, where they change nothing
+    assert not any(
+        engine(r) == "float32" and r.arm in fp8 - {"grpo", "grpo_r2", "gspo"} for r in grid.runs
+    )
+    models = {run.shape["shape"] for run in grid.runs}
+    assert models == {"fine_qwen3", "fine_deepseek", "dense_control"}
+    dense = {run.arm for run in grid.runs if run.shape == {"shape": "dense_control"}}
+    assert dense == {"grpo", "gspo"}
+    assert all(
+        len({r.seed for r in grid.runs if r.cell == c}) == 3 for c in {r.cell for r in grid.runs}
+    )
+    assert len(grid.runs) == 21 + 48 + 18 + 9 + 6
+    quick = load_grid(str(RECIPE), QUICK_GRID)
+    assert len(quick.runs) == 21 and {run.seed for run in quick.runs} == {1}
+    assert {run.recipe.run.steps for run in quick.runs} == {12}
+
+
+def test_the_first_grid_file_plans_the_checked_in_report():
+    grid = load_grid(str(RECIPE), str(RECIPE.parent / "drift_tiny_grid.yaml"))
     cells = {run.cell for run in grid.runs}
     assert {"base", "updates_per_batch=1", "updates_per_batch=8", "layers=2", "layers=8"} <= cells
     assert "updates_per_batch=4" not in cells and "layers=4" not in cells  # the base point
-    base_arms = {run.arm for run in grid.runs if run.cell == "base"}
-    assert base_arms == set(grid.arms)
-    assert all(len({r.seed for r in grid.runs if r.cell == c}) == 3 for c in cells)
+    assert {run.arm for run in grid.runs if run.cell == "base"} == set(grid.arms)
     deep = [r for r in grid.runs if r.cell == "layers=8"]
     assert all(r.shape == {"layers": 8, "experts": 8, "topk": 2} for r in deep)
+    assert len(grid.runs) == 84  # docs/benchmarks/drift/report.md
 
 
 def test_cluster_example_grid_and_recipe_are_valid():
@@ -194,7 +244,7 @@ def test_cluster_example_grid_and_recipe_are_valid():
     assert (recipe.parallel.pp, recipe.parallel.ep) == (2, 8)
     # The grid itself, planned over the tiny recipe (the 30B checkpoint is not here).
     grid = load_grid(str(RECIPE), str(examples / "qwen3_30b_a3b_drift.yaml"))
-    assert len(grid.runs) == 42
+    assert len(grid.runs) == 84
     assert grid.launcher[0] == "srun"
 
 
