@@ -474,12 +474,18 @@ def _plot_precursors(rows: list[Row], curves: dict[str, list[Row]], out: Path) -
         for bound in (-PRECURSOR_Z, PRECURSOR_Z):
             ax.axhline(bound, color="grey", linestyle=":", linewidth=0.8)
         ax.axvline(collapse, color="black", linestyle="--", label="first collapse")
+        # linear inside the threshold, logarithmic beyond: a jump does not flatten the rest
+        ax.set_yscale("symlog", linthresh=PRECURSOR_Z)
         moved = (
             f"{row['precursor']} moved at step {row['precursor_step']}"
             if row.get("precursor")
             else "no precursor"
         )
-        ax.set(xlabel="step", ylabel="z vs first steps", title=f"{row['run_id']}\n{moved}")
+        ax.set(
+            xlabel="step",
+            ylabel=f"z vs first {PRECURSOR_BASELINE} steps",
+            title=f"{row['run_id']}\n{moved}",
+        )
         ax.title.set_fontsize(7)
         ax.legend(fontsize=6)
     for ax in axes[len(shown) :]:  # the grid's unused places
@@ -523,6 +529,9 @@ def _plot_off_policy(rows: list[Row], curves: dict[str, list[Row]], out: Path) -
             name = arm if len(swept) == 1 else f"{arm} ({model}, {engine}, lr {lr})"
             ax.plot(degrees, means, marker="o", label=name)
     ax.set(xlabel="updates per rollout batch", ylabel=label, xscale="log")
+    degrees = sorted({r["updates_per_batch"] for group in swept.values() for r in group})
+    ax.set_xticks(degrees, [str(d) for d in degrees], minor=False)
+    ax.set_xticks([], minor=True)
     if len(swept) == 1:
         ((model, engine, lr),) = swept
         ax.set_title(f"Drift vs off-policy degree ({model}, {engine} engine, lr {lr})", fontsize=9)

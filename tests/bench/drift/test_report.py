@@ -316,6 +316,14 @@ def test_the_depth_plot_needs_several_depths(tmp_path):
     check_png(report._plot_depth(per_layer, curves, tmp_path), tmp_path, "drift_depth.png")
 
 
+def test_the_base_like_cells_share_the_base_points_updates_lr_and_engine():
+    rows, _ = grid_like()
+    cells = {r["cell"] for r in report._at_base_except(rows, "layers")}
+    assert cells == {"base", "shape=fine_deepseek", "shape=dense_control"}
+    cells = {r["cell"] for r in report._at_base_except(rows, "updates_per_batch")}
+    assert cells == {"base", "shape=fine_deepseek", "shape=dense_control"}  # all float32
+
+
 def test_margin_buckets_pool_flips_over_routes_per_model_over_runs_without_replay():
     buckets = bucket_names()
 
@@ -351,6 +359,9 @@ def test_off_policy_groups_rows_that_differ_only_in_updates_per_batch():
     # the float32 base point and the float8 point run 4 updates only: not a sweep
     assert list(groups) == [("fine_qwen3", "bfloat16", LR)]
     assert {r["updates_per_batch"] for r in groups["fine_qwen3", "bfloat16", LR]} == {1, 2, 4, 8}
+    # drift: the papers' metric where the runs recorded it, else token-layer drift
+    assert report._drift_column(rows)[0] == "update_activated"
+    assert report._drift_column(without(rows, "update_activated"))[0] == "drift_token_layer"
     relearned = [r | {"lr": 2 * LR} if r["updates_per_batch"] == 8 else r for r in rows]
     assert {
         r["updates_per_batch"]
@@ -365,7 +376,8 @@ def test_precursor_z_scores_cross_the_threshold_where_the_summary_found_the_prec
     row = next(r for r in rows if r["run_id"] == COLLAPSED)
     z = report.z_scores(curves[COLLAPSED], ("grad_norm",), row["first_collapse_step"])
     assert min(step for step, value in z.items() if abs(value) > PRECURSOR_Z) == 7
-    assert z[7] > 100 and abs(z[3]) <= 1.5
+    spread = math.sqrt(sum((0.01 * d) ** 2 for d in (-1, 0, 1, 2, -2)) / 5)  # steps 1-5
+    assert z[3] == pytest.approx(0.01 / spread) and z[7] == pytest.approx((5 - 1) / spread)
     # the drift metric: the papers' one where recorded, else token-layer drift; both flat
     drift = report.z_scores(curves[COLLAPSED], ("routing/update_activated_experts", "x"), 11)
     assert drift and max(abs(v) for v in drift.values()) <= 1.5
