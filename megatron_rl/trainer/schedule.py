@@ -171,15 +171,15 @@ def _aux_loss_weight(
     ranks), c being the coefficient the model was built with, whatever the loss denominator.
 
     With `calculate_per_token_loss`, megatron-core 0.16.1 backs the aux loss of a micro-batch
-    with gradient coeff x T (`TopKRouter.attach_and_log_load_balancing_loss`, router.py:458:
+    with gradient coeff x T (`TopKRouter.attach_and_log_load_balancing_loss`, router.py:466:
     the loss times the T tokens the router saw; `MoEAuxLossAutoScaler`'s scale is 1, set by
     `forward_step_calc_loss` after every forward) and `finalize_model_grads` then divides every
     gradient by the global denominator D (tokens or sequences, `_denominator`). That is c / M
     per micro-batch only when D = M x T. The routers read the coefficient from the shared
     TransformerConfig at each forward (and each recomputed one), so for the schedule it is set
     to c x D / (M x T) and restored after: the D, M and T of the whole update are known before
-    it starts and the same for every micro-batch. (Setting the autoscaler's scale instead would
-    race the schedule, which overwrites it after every forward and reads it in the backward.)
+    it starts and the same for every micro-batch. (The autoscaler's scale, read in each
+    backward, is no place for it: the schedule sets it to 1 after every forward.)
     D = 0 (no loss token anywhere): megatron-core does not divide, so D counts as 1.
     """
     config = model.config

@@ -37,11 +37,14 @@ def switch_loss(inputs: torch.Tensor, weight: torch.Tensor, topk: int) -> torch.
     return experts * (share * mean_score).sum()
 
 
-def aux_loss_gradient(launch: LaunchEnv, loss_agg: str, coeff: float) -> dict:
+def aux_loss_gradient(
+    launch: LaunchEnv, loss_agg: str, coeff: float, no_loss_tokens: bool = False
+) -> dict:
     """One forward-backward of the same micro-batches by two copies of a model, built with aux
     loss coefficient `coeff` and 0. Returns the last MoE layer's router weight gradient
     difference (all DP ranks reduce it) and, for this rank's micro-batches, the sum of the
-    hand-computed switch loss's gradient and their count."""
+    hand-computed switch loss's gradient and their count (`no_loss_tokens`: with every loss
+    mask empty)."""
     dims = ParallelDims(world_size=launch.world_size)
     init_distributed(dims, launch, seed=5)
     rank = parallel_state.get_data_parallel_rank()
@@ -58,6 +61,8 @@ def aux_loss_gradient(launch: LaunchEnv, loss_agg: str, coeff: float) -> dict:
     routers[-1].register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
     spec = PolicyLossSpec.of("grpo", clip_low=0.2, clip_high=0.2, loss_agg=loss_agg)
     batches = micro_batches(count=3, seed=rank)
+    if no_loss_tokens:  # a global denominator of 0: megatron-core does not divide
+        batches = [replace(mb, loss_mask=torch.zeros_like(mb.loss_mask)) for mb in batches]
     grads = {}
     for c, model in models.items():
         model.zero_grad_buffer()

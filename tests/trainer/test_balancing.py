@@ -36,18 +36,29 @@ DEEPSEEK_RECIPE = REPO / "examples" / "moe" / "tiny_deepseek_v3_gspo.yaml"
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("world_size", "loss_agg"),
-    [(1, "token-mean"), (1, "seq-mean-token-mean"), (2, "seq-mean-token-sum")],
-    ids=["token_mean", "seq_mean", "dp2_seq_sum"],
+    ("world_size", "loss_agg", "no_loss_tokens"),
+    [
+        (1, "token-mean", False),
+        (1, "seq-mean-token-mean", False),
+        (2, "seq-mean-token-sum", False),
+        (1, "token-mean", True),
+    ],
+    ids=["token_mean", "seq_mean", "dp2_seq_sum", "no_loss_tokens"],
 )
-def test_the_aux_loss_adds_coeff_times_its_mean_over_micro_batches(world_size, loss_agg):
+def test_the_aux_loss_adds_coeff_times_its_mean_over_micro_batches(
+    world_size, loss_agg, no_loss_tokens
+):
     coeff = 0.5
     results = run_on_ranks(
-        balancing_worker.aux_loss_gradient, loss_agg, coeff, world_size=world_size
+        balancing_worker.aux_loss_gradient,
+        loss_agg,
+        coeff,
+        no_loss_tokens,
+        world_size=world_size,
     )
     expected = coeff * sum(r["hand_sum"] for r in results) / sum(r["count"] for r in results)
     for result in results:  # the DP all-reduce leaves the same gradient on every rank
-        assert result["policy_grad"] > 0
+        assert (result["policy_grad"] == 0) == no_loss_tokens
         torch.testing.assert_close(result["difference"], expected, rtol=1e-4, atol=1e-7)
     assert expected.abs().max() > 1e-3
 
