@@ -141,6 +141,11 @@ def test_every_shipped_recipe_loads_and_validates():
         (["algo.loss=cispo", "algo.dual_clip=3"], r"algo\.dual_clip: loss 'cispo' has no"),
         (["algo.entropy_coef=-0.01"], r"algo\.entropy_coef: expected >= 0"),
         (["model.dispatcher=flex"], r"model\.dispatcher: expected one of 'alltoall'"),
+        (["model.aux_loss_coeff=-0.01"], r"model\.aux_loss_coeff: expected a finite number >= 0"),
+        (
+            ["model.router_bias_update_rate=-1"],
+            r"model\.router_bias_update_rate: expected a finite number >= 0",
+        ),
         (
             ["algo.routing_replay=r2", "algo.mismatch=bypass"],
             r"algo\.routing_replay=r2 records routing in the trainer's old-policy forward",

@@ -19,6 +19,14 @@ wrong on most problems with a carry or a borrow: that is the room RL has (the ve
 only right answers). Greedy accuracy on a validation draw of the held-out split is printed
 every `--eval-every` steps. Deterministic on one machine for a given seed and thread count.
 Writes into a temporary directory, renamed when complete.
+
+`--shape` builds one of the routing-drift harness's base models instead (`SHAPES`: fine-grained
+Qwen3-MoE and DeepSeek-V3 shapes, and a dense control), each with the load balancing it keeps in
+RL: megatron-core's switch aux loss (per MoE layer, megatron-core's formula) or DeepSeek-V3's
+aux-loss-free expert-bias updates, applied here in SFT and written to training.json's
+`rl_options` (recipe overrides) for RL:
+
+    python examples/moe/make_tiny_model.py --shape fine_qwen3 --out /path/fine_qwen3
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -71,27 +80,37 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def model_config(
-    tokenizer: PreTrainedTokenizerFast, *, layers: int = 4, experts: int = 8, topk: int = 2
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    layers: int = 4,
+    experts: int = 8,
+    topk: int = 2,
+    moe_ffn: int = 96,
+    dense_ffn: int = 256,
+    hf_aux_loss_coef: float = 0.01,
+    norm_topk_prob: bool = True,
 ) -> Qwen3MoeConfig:
-    """The Qwen3-MoE shape of the main recipe."""
+    """The Qwen3-MoE shape of the main recipe (other shapes: the keywords). `hf_aux_loss_coef`:
+    transformers' own load-balancing loss in SFT (its formula: pooled over layers, topk times
+    megatron-core's); 0: off (the `--shape` models add megatron-core's instead, `Balancing`)."""
     return Qwen3MoeConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=96,
+        intermediate_size=dense_ffn,
+        moe_intermediate_size=moe_ffn,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
         num_experts=experts,
         num_experts_per_tok=topk,
-        norm_topk_prob=True,
+        norm_topk_prob=norm_topk_prob,
         max_position_embeddings=128,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        router_aux_loss_coef=0.01,
-        output_router_logits=True,
+        router_aux_loss_coef=hf_aux_loss_coef,
+        output_router_logits=hf_aux_loss_coef > 0,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
@@ -99,16 +118,25 @@ def model_config(
 
 
 def deepseek_v3_config(
-    tokenizer: PreTrainedTokenizerFast, *, layers: int = 4, experts: int = 8, topk: int = 2
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    layers: int = 4,
+    experts: int = 8,
+    topk: int = 2,
+    moe_ffn: int = 96,
+    dense_ffn: int = 256,
+    groups: int = 2,
+    group_topk: int | None = None,
 ) -> DeepseekV3Config:
     """A DeepSeek-V3 of the Qwen3-MoE shape's width: MLA with YaRN (4x over a 32-token
     pretraining context), the first layer dense, a sigmoid router whose experts come from the
-    better of two groups (a group scored by its best two experts), one shared expert."""
+    best `group_topk` (default topk / 2) of `groups` groups (a group scored by its best two
+    experts, as transformers does), one shared expert of a routed expert's width."""
     return DeepseekV3Config(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=96,
+        intermediate_size=dense_ffn,
+        moe_intermediate_size=moe_ffn,
         num_hidden_layers=layers,
         first_k_dense_replace=1,
         num_attention_heads=4,
@@ -119,8 +147,8 @@ def deepseek_v3_config(
         v_head_dim=32,
         n_routed_experts=experts,
         num_experts_per_tok=topk,
-        n_group=2,
-        topk_group=topk // 2,
+        n_group=groups,
+        topk_group=topk // 2 if group_topk is None else group_topk,
         n_shared_experts=1,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
@@ -153,6 +181,149 @@ FAMILIES: dict[str, tuple[type[PreTrainedModel], Callable[..., PreTrainedConfig]
     "qwen3_moe": (Qwen3MoeForCausalLM, model_config),
     "deepseek_v3": (DeepseekV3ForCausalLM, deepseek_v3_config),
 }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """A named base model of the routing-drift harness (`--shape`, issue 36): its family, its
+    shape, and the load balancing it trains with in SFT and keeps in RL."""
+
+    family: str
+    """qwen3_moe or deepseek_v3 (FAMILIES)."""
+    layers: int
+    """Transformer layers (DeepSeek-V3: the dense first one included)."""
+    experts: int
+    """Routed experts per MoE layer."""
+    topk: int
+    """Experts each token is routed to."""
+    moe_ffn: int
+    """Each routed expert's FFN width (moe_intermediate_size); DeepSeek-V3's shared expert has it
+    too."""
+    dense_ffn: int
+    """A dense layer's FFN width (intermediate_size): DeepSeek-V3's first layer; unused by an
+    all-MoE Qwen3-MoE."""
+    groups: int = 1
+    """DeepSeek-V3: expert groups (n_group)."""
+    group_topk: int = 1
+    """DeepSeek-V3: groups each token may use (topk_group)."""
+    aux_loss_coeff: float = 0.0
+    """Megatron-core's switch load-balancing loss, summed over the MoE layers with this weight:
+    added to the SFT loss here, and the RL recipe's `model.aux_loss_coeff`."""
+    router_bias_update_rate: float = 0.0
+    """Aux-loss-free balancing: after each SFT step every expert's e_score_correction_bias moves
+    by this towards an even load (sign rule); the RL recipe's `model.router_bias_update_rate`.
+    DeepSeek-V3 only (sigmoid router with an expert bias)."""
+
+    def rl_options(self) -> dict[str, float]:
+        """The recipe overrides that keep this shape's balancing in RL."""
+        return {
+            "model.aux_loss_coeff": self.aux_loss_coeff,
+            "model.router_bias_update_rate": self.router_bias_update_rate,
+        }
+
+    def hf_config(self, tokenizer: PreTrainedTokenizerFast) -> PreTrainedConfig:
+        common = {"layers": self.layers, "experts": self.experts, "topk": self.topk}
+        widths = {"moe_ffn": self.moe_ffn, "dense_ffn": self.dense_ffn}
+        if self.family == "qwen3_moe":
+            # top-1: megatron-core routes one expert only softmax-then-top-k (its
+            # moe_router_pre_softmax, transformers' norm_topk_prob=False); the same at top-k > 1
+            # would change the gate weights, so those keep renormalising as Qwen3-MoE does.
+            return model_config(
+                tokenizer, **common, **widths, hf_aux_loss_coef=0.0, norm_topk_prob=self.topk > 1
+            )
+        return deepseek_v3_config(
+            tokenizer, **common, **widths, groups=self.groups, group_topk=self.group_topk
+        )
+
+
+SHAPES = {
+    # Qwen3-MoE fine-grained: 64 small experts, top-8, megatron-core's aux loss in SFT and RL.
+    "fine_qwen3": Shape(
+        family="qwen3_moe",
+        layers=8,
+        experts=64,
+        topk=8,
+        moe_ffn=16,
+        dense_ffn=128,
+        aux_loss_coeff=0.01,
+    ),
+    # DeepSeek-V3: as fine-grained, a sigmoid router in 8 groups of 8 (best 4 groups), the
+    # expert bias updated (aux-loss-free balancing, DeepSeek-V3's rate), a shared expert of a
+    # routed expert's width, the first layer dense with the active experts' width (8 + 1) x 16.
+    "fine_deepseek": Shape(
+        family="deepseek_v3",
+        layers=8,
+        experts=64,
+        topk=8,
+        moe_ffn=16,
+        dense_ffn=144,
+        groups=8,
+        group_topk=4,
+        router_bias_update_rate=1e-3,
+    ),
+    # The dense control: a Qwen3-MoE with one expert of fine_qwen3's active width 8 x 16, always
+    # chosen with weight exactly 1 (softmax over the one expert, top-1): a dense SwiGLU layer, in
+    # a family both transformers and megatron-core run (its router weight gets no gradient; no
+    # balancing: nothing to balance).
+    "dense_control": Shape(
+        family="qwen3_moe", layers=8, experts=1, topk=1, moe_ffn=128, dense_ffn=128
+    ),
+}
+
+
+class Balancing:
+    """Load balancing in SFT as megatron-core does it in RL: `aux_loss()` is megatron-core's
+    switch loss (`switch_load_balancing_loss_func`: E * sum_e f_e P_e, f_e the share of the
+    T * topk choices that went to expert e, P_e expert e's mean normalised score), summed over
+    the MoE layers; `update_biases()` moves each e_score_correction_bias by
+    rate * sign(mean load - load) (`get_updated_expert_bias`), as DeepSeek-V3 did; transformers
+    does neither. The routers' outputs are taken with forward hooks on the gates, in forwards
+    with gradients only (evaluation does not count), over the batch's non-padding tokens."""
+
+    def __init__(self, model: PreTrainedModel, shape: Shape) -> None:
+        self.shape = shape
+        self.gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+        self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for gate in self.gates:
+            gate.register_forward_hook(self._keep)
+        self.mask: torch.Tensor | None = None
+
+    def _keep(self, module: torch.nn.Module, args: object, output: tuple) -> None:
+        if torch.is_grad_enabled():  # both routers return (logits, weights, chosen experts)
+            self.outputs.append((output[0], output[2]))
+
+    def start(self, attention_mask: torch.Tensor) -> None:
+        """Before a training forward of a batch with `attention_mask`."""
+        self.outputs, self.mask = [], attention_mask.reshape(-1).bool()
+
+    def aux_loss(self) -> torch.Tensor:
+        if len(self.outputs) != len(self.gates):
+            raise RuntimeError(f"expected one output per gate, got {len(self.outputs)}")
+        total = torch.zeros(())
+        for logits, _ in self.outputs:
+            logits = logits[self.mask].float()
+            if self.shape.family == "qwen3_moe":
+                scores = torch.softmax(logits, dim=-1)
+            else:
+                scores = torch.sigmoid(logits)
+                scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+            chosen = torch.zeros_like(scores).scatter(
+                1, scores.topk(self.shape.topk, dim=1).indices, 1.0
+            )
+            tokens, experts = scores.shape
+            share = chosen.sum(0) / (tokens * self.shape.topk)
+            total = total + experts * (share * scores.mean(0)).sum()
+        return self.shape.aux_loss_coeff * total
+
+    @torch.no_grad()
+    def update_biases(self) -> None:
+        rate = self.shape.router_bias_update_rate
+        if rate == 0:
+            return
+        for gate, (_, chosen) in zip(self.gates, self.outputs, strict=True):
+            load = torch.bincount(chosen[self.mask].reshape(-1), minlength=self.shape.experts)
+            load = load.to(gate.e_score_correction_bias.dtype)
+            gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
 
 
 def sloppy_solution(prompt: str, slip_prob: float, rng: random.Random) -> str:
@@ -217,22 +388,42 @@ def main() -> None:
     parser.add_argument("--slip-prob", type=float, default=0.8)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--eval-problems", type=int, default=200)
-    # Other shapes, e.g. the drift harness's depth and expert sweeps (megatron-rl bench drift).
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe")
+    # Other shapes, e.g. the drift harness's depth and expert sweeps (megatron-rl bench drift):
+    # --layers 4, --experts 8, --topk 2, --family qwen3_moe unless given; or a --shape.
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--experts", type=int)
+    parser.add_argument("--topk", type=int)
+    parser.add_argument("--family", choices=sorted(FAMILIES))
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        help="a drift-harness base model (SHAPES); fixes all four",
+    )
     args = parser.parse_args()
     if args.out.exists():
         raise SystemExit(f"--out {args.out}: already exists; remove it or choose another path")
+    legacy = {"layers": 4, "experts": 8, "topk": 2, "family": "qwen3_moe"}
+    given = [f"--{name}" for name in legacy if getattr(args, name) is not None]
+    if args.shape is not None and given:
+        raise SystemExit(f"--shape {args.shape} fixes the shape: leave out {', '.join(given)}")
 
     torch.manual_seed(args.seed)
     task = ArithmeticTask()
     tokenizer = char_tokenizer()
-    shape = {"layers": args.layers, "experts": args.experts, "topk": args.topk}
-    model_class, make_config = FAMILIES[args.family]
-    config: PreTrainedConfig = make_config(tokenizer, **shape)
+    shape = SHAPES[args.shape] if args.shape is not None else None
+    if shape is None:
+        chosen = {
+            name: value if (value := getattr(args, name)) is not None else default
+            for name, default in legacy.items()
+        }
+        model_class, make_config = FAMILIES[chosen.pop("family")]
+        config: PreTrainedConfig = make_config(tokenizer, **chosen)
+    else:
+        model_class, config = FAMILIES[shape.family][0], shape.hf_config(tokenizer)
     model = model_class(config)
+    balancing = None
+    if shape is not None and (shape.aux_loss_coeff > 0 or shape.router_bias_update_rate > 0):
+        balancing = Balancing(model, shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = 50
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -252,12 +443,17 @@ def main() -> None:
         rows = slice((step - 1) * args.batch_size, step * args.batch_size)
         batch = training_batch(tokenizer, [p.prompt for p in train[rows]], solutions[rows])
         model.train()
+        if balancing is not None:
+            balancing.start(batch["attention_mask"])
         loss = model(**batch).loss
+        aux = balancing.aux_loss() if balancing and shape.aux_loss_coeff > 0 else 0.0
         optimizer.zero_grad()
-        loss.backward()
+        (loss + aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
+        if balancing is not None:
+            balancing.update_biases()
         if step % args.eval_every == 0:
             accuracy = held_out_accuracy(
                 engine, codec, validation, verifier, max_new_tokens=MAX_NEW_TOKENS
@@ -271,12 +467,22 @@ def main() -> None:
         json.dumps(
             {
                 "command": "python examples/moe/make_tiny_model.py "
-                + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+                + " ".join(
+                    f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None
+                ),
                 "task": vars(task) if hasattr(task, "__dict__") else str(task),
                 "steps": args.steps,
                 "seconds": round(time.time() - started, 1),
                 "validation_accuracy": accuracy,
                 "history": history,
+                **(
+                    {}
+                    if shape is None
+                    else {
+                        "shape": {"name": args.shape, **asdict(shape)},
+                        "rl_options": shape.rl_options(),
+                    }
+                ),
             },
             indent=2,
             default=str,

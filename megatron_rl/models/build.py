@@ -60,8 +60,9 @@ def _moe_options(
         "moe_router_score_function": model.router_score_function,
         "moe_router_pre_softmax": model.router_pre_softmax,
         "moe_router_enable_expert_bias": model.router_expert_bias,
-        # The score-correction bias stays as loaded (see MoEModelConfig.router_expert_bias).
-        "moe_router_bias_update_rate": 0.0,
+        # 0: the score-correction bias stays as loaded (MoEModelConfig.router_expert_bias); else
+        # finalize_model_grads moves it after each update by the update's tokens per expert.
+        "moe_router_bias_update_rate": model.router_bias_update_rate,
         "moe_router_num_groups": model.router_num_groups,
         "moe_router_group_topk": model.router_group_topk,
         "moe_router_topk_scaling_factor": model.router_topk_scaling_factor,

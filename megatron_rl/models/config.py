@@ -3,10 +3,13 @@ Qwen3-MoE, Mixtral, DeepSeek-V3 and GLM-4.5) that a Hugging Face config becomes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
+
+from megatron_rl.config import ConfigError
 
 if TYPE_CHECKING:
     from megatron_rl.parallel.dims import ParallelDims
@@ -26,6 +29,20 @@ class ModelConfig:
     """Megatron-Core's MoE token dispatcher."""
     recompute: bool = False
     """Recompute activations in the backward pass (less memory, more time)."""
+    aux_loss_coeff: float = 0.0
+    """Megatron-Core's switch load-balancing loss in every MoE layer, this times its value
+    averaged over the update's micro-batches added to the policy loss (0: off)."""
+    router_bias_update_rate: float = 0.0
+    """Megatron-Core's aux-loss-free balancing: after each update every expert's score-correction
+    bias moves by this much towards an even load of the update's tokens (sign rule). Needs a
+    sigmoid router with an expert bias (DeepSeek-V3's e_score_correction_bias); 0: the bias stays
+    as loaded."""
+
+    def validate(self) -> None:
+        for name in ("aux_loss_coeff", "router_bias_update_rate"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"model.{name}: expected a finite number >= 0, got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,8 +71,8 @@ class MoEModelConfig:
             (Mixtral; equal to Qwen3-MoE's default norm_topk_prob=True). Softmax routers only.
         router_expert_bias: a per-expert score-correction bias added to the sigmoid scores when
             choosing experts, not when weighting them (DeepSeek-V3's e_score_correction_bias).
-            It is a load-balancing device of pretraining: RL keeps it fixed (megatron-core's
-            bias update rate is 0), so the rollout engine and the trainer route alike.
+            It is a load-balancing device of pretraining: RL keeps it fixed unless
+            router_bias_update_rate is set (the engine then receives it with the weights).
         router_num_groups: experts form this many equal groups; a token's experts come from its
             router_group_topk best groups, a group scored by the sum of its best
             router_topk / router_group_topk scores (DeepSeek-V3's n_group, topk_group). None:
@@ -92,7 +109,12 @@ class MoEModelConfig:
         tie_word_embeddings: share the input embedding and the output layer.
         max_position_embeddings: longest sequence the RoPE cache covers.
         dtype: parameter dtype, "float32" or "bfloat16".
-        moe_aux_loss_coeff: load-balancing auxiliary loss weight; 0 turns it off.
+        moe_aux_loss_coeff: weight of megatron-core's switch load-balancing loss in every MoE
+            layer (averaged over an update's micro-batches by the trainer's schedule); 0 turns
+            it off.
+        router_bias_update_rate: megatron-core's aux-loss-free balancing: after each update the
+            expert bias moves by this much towards an even load (needs router_expert_bias); 0
+            keeps the bias as loaded.
         init_std: std of the random initialisation (when not loading a checkpoint).
     """
 
@@ -136,6 +158,7 @@ class MoEModelConfig:
     max_position_embeddings: int = 4096
     dtype: Literal["float32", "bfloat16"] = "float32"
     moe_aux_loss_coeff: float = 0.0
+    router_bias_update_rate: float = 0.0
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -193,6 +216,15 @@ class MoEModelConfig:
         self._check_attention()
 
     def _check_router(self) -> None:
+        for name in ("moe_aux_loss_coeff", "router_bias_update_rate"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {value}")
+        if self.router_bias_update_rate > 0 and not self.router_expert_bias:
+            raise ValueError(
+                "router_bias_update_rate: needs a sigmoid router with an expert bias "
+                "(router_expert_bias, DeepSeek-V3's e_score_correction_bias)"
+            )
         if self.router_score_function == "softmax" and self.router_expert_bias:
             raise ValueError("router_expert_bias: needs router_score_function 'sigmoid'")
         if self.router_score_function == "sigmoid" and self.router_pre_softmax:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -15,6 +15,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from torch import Tensor
 
 from megatron_rl.algo.reductions import Reduction
+from megatron_rl.config import ConfigError
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import ModelConfig, MoEModelConfig
 from megatron_rl.models.families import ModelFamily
@@ -290,21 +291,30 @@ def load_model_chunk(
 ) -> tuple[ModelFamily, MoEModelConfig, torch.nn.Module]:
     """This rank's chunk of the Megatron-Core model of `model.hf_path`, its weights loaded, with
     the family and config it was built from (`routing_replay`: routers built with
-    megatron-core's RouterReplay)."""
+    megatron-core's RouterReplay). The recipe's load-balancing options (`model.aux_loss_coeff`,
+    `model.router_bias_update_rate`) are the built model's."""
     source = inspect_hf(Path(model.hf_path), given_as="model.hf_path")
-    chunk = build_gpt_moe(
+    if model.router_bias_update_rate > 0 and not source.config.router_expert_bias:
+        raise ConfigError(
+            f"model.router_bias_update_rate: needs a sigmoid router with an expert bias "
+            f"(DeepSeek-V3's e_score_correction_bias); the routers of {model.hf_path} have none"
+        )
+    config = replace(
         source.config,
+        moe_aux_loss_coeff=model.aux_loss_coeff,
+        router_bias_update_rate=model.router_bias_update_rate,
+    )
+    chunk = build_gpt_moe(
+        config,
         dims,
         dispatcher=model.dispatcher,
         recompute=model.recompute,
         initialize=False,
         routing_replay=routing_replay,
     )
-    load_hf_weights(
-        chunk, source.family, source.config, source.checkpoint.tensor, source.checkpoint.shape
-    )
+    load_hf_weights(chunk, source.family, config, source.checkpoint.tensor, source.checkpoint.shape)
     source.checkpoint.close()
-    return source.family, source.config, chunk
+    return source.family, config, chunk
 
 
 def _routers(model: torch.nn.Module) -> list[TopKRouter]:

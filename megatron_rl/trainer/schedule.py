@@ -11,6 +11,7 @@ total in `finalize_model_grads`: gradient accumulation and DP give the gradient 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -146,16 +147,69 @@ def policy_forward_backward(
     `model` is this rank's DDP-wrapped model chunk. Gradients end up in the parameters'
     `main_grad`, already divided by the global denominator (with the distributed optimizer, fully
     reduced only on this rank's shard); the optimizer step is the caller's.
-    With `replay`, each micro-batch's `routing` is forced.
+    With `replay`, each micro-batch's `routing` is forced. A model built with a load-balancing
+    loss (`moe_aux_loss_coeff` c > 0) adds c times the loss averaged over all the update's
+    micro-batches (`_aux_loss_weight`).
     """
-    results = _run_schedule(
-        model,
-        micro_batches,
-        lambda index, held, micro_batch: partial(policy_loss_func, micro_batch, spec),
-        forward_only=False,
-        replay=replay,
-    )
+    with _aux_loss_weight(model, micro_batches, spec):
+        results = _run_schedule(
+            model,
+            micro_batches,
+            lambda index, held, micro_batch: partial(policy_loss_func, micro_batch, spec),
+            forward_only=False,
+            replay=replay,
+        )
     return _global_loss(micro_batches, spec, results)
+
+
+@contextmanager
+def _aux_loss_weight(
+    model: torch.nn.Module, micro_batches: list[PolicyMicroBatch], spec: PolicyLossSpec
+) -> Iterator[None]:
+    """Within it, the routers weigh their load-balancing loss so that the update's objective is
+    the policy loss + c x (the switch loss averaged over the update's micro-batches, all DP
+    ranks), c being the coefficient the model was built with, whatever the loss denominator.
+
+    With `calculate_per_token_loss`, megatron-core 0.16.1 backs the aux loss of a micro-batch
+    with gradient coeff x T (`TopKRouter.attach_and_log_load_balancing_loss`, router.py:466:
+    the loss times the T tokens the router saw; `MoEAuxLossAutoScaler`'s scale is 1, set by
+    `forward_step_calc_loss` after every forward) and `finalize_model_grads` then divides every
+    gradient by the global denominator D (tokens or sequences, `_denominator`). That is c / M
+    per micro-batch only when D = M x T. The routers read the coefficient from the shared
+    TransformerConfig at each forward (and each recomputed one), so for the schedule it is set
+    to c x D / (M x T) and restored after: the D, M and T of the whole update are known before
+    it starts and the same for every micro-batch. (The autoscaler's scale, read in each
+    backward, is no place for it: the schedule sets it to 1 after every forward.)
+    D = 0 (no loss token anywhere): megatron-core does not divide, so D counts as 1.
+    """
+    config = model.config
+    coeff = config.moe_aux_loss_coeff
+    if not coeff:
+        yield
+        return
+    totals = torch.tensor(
+        [sum(_loss_func_denominator(mb, spec) for mb in micro_batches), len(micro_batches)],
+        dtype=torch.float64,
+    )
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        totals = host_all_reduce(totals, group=group)
+    denominator, count = float(totals[0]) or 1.0, float(totals[1])
+    config.moe_aux_loss_coeff = (
+        coeff * denominator / (count * _router_tokens(micro_batches[0], model))
+    )
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff = coeff
+
+
+def _loss_func_denominator(micro_batch: PolicyMicroBatch, spec: PolicyLossSpec) -> int:
+    """The denominator `policy_loss_func` returns for `micro_batch` (the one
+    `finalize_model_grads` sums)."""
+    if not bool(micro_batch.loss_mask.any()):
+        return 0
+    return int(_denominator(micro_batch.row_mask(), spec).round())
 
 
 def _run_schedule(

@@ -5,6 +5,7 @@ skipped on import. Logits, round trips and streams at every layout: tests/checkp
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -39,6 +40,13 @@ def test_deepseek_v3_config_maps_mla_yarn_and_the_router():
     assert megatron.moe_layer_freq == [0, 1, 1, 1]
     assert megatron.moe_router_bias_update_rate == 0.0  # the bias stays as loaded
     assert megatron.moe_router_dtype == "fp32"
+    updated = replace(config, router_bias_update_rate=1e-3, moe_aux_loss_coeff=0.01)
+    megatron = transformer_config(updated, ParallelDims(world_size=1))
+    assert megatron.moe_router_bias_update_rate == 1e-3 and megatron.moe_aux_loss_coeff == 0.01
+    assert megatron.moe_router_load_balancing_type == "aux_loss"
+    softmax = replace(config, router_score_function="softmax", router_expert_bias=False)
+    with pytest.raises(ValueError, match="router_bias_update_rate: needs a sigmoid router"):
+        replace(softmax, router_bias_update_rate=1e-3)
 
 
 def test_glm4_moe_config_maps_bias_qk_norm_and_partial_rotary():
