@@ -32,8 +32,10 @@ def _script_path() -> Path:
 @functools.cache
 def named_shapes() -> tuple[str, ...]:
     """The script's named shapes (its `SHAPES`), the values `base_model.shape` takes."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model", _script_path())
+    name = "megatron_rl_examples_make_tiny_model"
+    spec = importlib.util.spec_from_file_location(name, _script_path())
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return tuple(module.SHAPES)
 
