@@ -15,15 +15,18 @@ def routing_metric_name(drift_key: str) -> str:
     return f"routing/{drift_key.replace('/', '_')}"
 
 
-def update_change_name(drift_key: str) -> str:
-    """The name of a `routing_drift` metric of one update's change (`drift/activated_experts`:
-    `routing/update_activated_experts`; `drift/layer/3`: `routing/update_layer_3`)."""
-    return f"routing/update_{drift_key.removeprefix('drift/').replace('/', '_')}"
+def update_change_name(drift_key: str, since: str = "update") -> str:
+    """The name of a `routing_drift` metric of what an update changed: since the routing before
+    it (`since="update"`; `drift/activated_experts`: `routing/update_activated_experts`,
+    `drift/layer/3`: `routing/update_layer_3`) or since the old policy's (`since="since_old"`:
+    `routing/since_old_activated_experts`)."""
+    return f"routing/{since}_{drift_key.removeprefix('drift/').replace('/', '_')}"
 
 
 ROUTING_METRICS = (
     {routing_metric_name(key): value for key, value in DRIFT_METRICS.items()}
     | {update_change_name(key): value for key, value in DRIFT_METRICS.items()}
+    | {update_change_name(key, "since_old"): value for key, value in DRIFT_METRICS.items()}
     | {routing_metric_name(key): value for key, value in MARGIN_METRICS.items()}
     | dict(LOG_RATIO_SHARE_METRICS)
     | {

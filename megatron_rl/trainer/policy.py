@@ -193,8 +193,11 @@ class Policy:
         replayed:
 
         - `routing/update_*`: `routing_drift` from the routing chosen before the update to the
-          routing chosen after it (`routing/update_activated_experts` is the papers' share of
-          activated experts that changed, per update; `routing/update_layer_<i>` is per layer);
+          routing chosen after it (`routing/update_activated_experts`: the share of activated
+          experts one update changed; `routing/update_layer_<i>` is per layer);
+        - `routing/since_old_*`: `routing_drift` from the micro-batch's `routing` (the old
+          policy's; under R3 the engine's) to the routing chosen after the update: the papers'
+          "after each update, the experts the new policy activates that the old one did not";
         - `routing/margin_*`: the top-k margins before the update (`margin_metrics`), with the
           routes that flipped in the update counted per margin bucket;
         - `routing/log_ratio_*_share`: routing's share of the token log-ratios against the old
@@ -217,8 +220,12 @@ class Policy:
         mask = mask if mask.numel() == len(chosen_before) else None
         layers = self.config.moe_layers
         change = routing_drift(chosen_before, chosen_after, mask, layers)
+        old = join_stages(torch.stack(micro_batch.routing, 1).to(device), dim=1)
+        since_old = routing_drift(old.to(chosen_after.dtype), chosen_after, mask, layers)
         flipped = changed_routes(chosen_before, chosen_after)
-        metrics = {update_change_name(key): value for key, value in change.items()} | {
+        metrics = {update_change_name(key): value for key, value in change.items()}
+        metrics |= {update_change_name(key, "since_old"): v for key, v in since_old.items()}
+        metrics |= {
             routing_metric_name(key): value
             for key, value in margin_metrics(margins, flipped, mask, layers).items()
         }

@@ -144,6 +144,9 @@ def test_the_routing_probe_measures_a_known_change_of_routing():
     )
     for layer in earlier:
         assert probed[f"routing/update_layer_{layer}"] == 0
+    # the routing before the "update" was the old policy's: since the old one, the same change
+    for key in ("activated_experts", "token_layer", f"layer_{last}"):
+        assert probed[f"routing/since_old_{key}"] == probed[f"routing/update_{key}"]
     layers = len(result["moe_layers"])
     assert probed["routing/update_activated_experts"] == pytest.approx(
         expected["activated"] / layers, abs=1e-6

@@ -62,6 +62,10 @@ STEP_MEANS = {
     "update_activated": "routing/update_activated_experts",
     "update_token_layer": "routing/update_token_layer",
     "update_token_any": "routing/update_token_any",
+    # the papers' reading: after each update, the share of activated experts the old policy
+    # (its recorded routing) did not choose
+    "since_old_activated": "routing/since_old_activated_experts",
+    "since_old_token_layer": "routing/since_old_token_layer",
     "margin_median": "routing/margin_median",
     "near_tie": "routing/margin_near_tie",
     "log_ratio_var_share": "routing/log_ratio_var_share",
