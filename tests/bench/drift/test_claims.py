@@ -44,6 +44,7 @@ def row(arm: str, seed: int = 1, cell: str = "base", **values) -> dict:
         "precursor": "",
         "final_accuracy": 0.7 + 0.01 * seed,
         "update_activated": drift,
+        "since_old_activated": drift,
         "drift_token_layer": drift,
         "drift_token_any": None if drift is None else 0.08,
         "replay_miss_max": 0.0 if replay != "none" else None,
@@ -73,15 +74,17 @@ def verdict(check, rows) -> str:
     return check(rows).verdict
 
 
-def test_regime_is_the_share_of_activated_experts_changed_per_update():
+def test_regime_is_the_share_of_activated_experts_changed_since_the_old_policy():
     regime = claims.drift_after_update(arms("grpo", "grpo_r2")).regime
     assert regime == (
-        "2.00% of activated experts changed per update (mean of the runs without replay, "
-        "model fine_qwen3, engine float32)"
+        "2.00% of activated experts changed since the old policy after each update (mean of "
+        "the runs without replay, model fine_qwen3, engine float32)"
     )
     two_models = arms("grpo") + arms("grpo", cell="m", model="fine_deepseek")
     assert "model" not in claims._regime(two_models)
-    old = [r | {"update_activated": None} for r in arms("grpo")]
+    per_update = change(arms("grpo"), "grpo", update_activated=0.5)  # not the regime's measure
+    assert claims._regime(per_update).startswith("2.00%")
+    old = [r | {"update_activated": None, "since_old_activated": None} for r in arms("grpo")]
     assert claims._regime(old) == (
         "2.00% token-layer drift per step (mean of the runs without replay)"
     )
@@ -158,8 +161,10 @@ def test_gspo_stability_is_tested_only_at_strong_drift():
     weak = arms("gspo", "grpo_r2")
     claim = claims.gspo_as_stable_as_r2(weak)  # 2% < 5% of activated experts
     assert claim.verdict == "NOT TESTED" and "largest mean: 2.00%" in claim.evidence
-    strong = change(weak, "gspo", update_activated=0.08)
+    strong = change(weak, "gspo", since_old_activated=0.08)
     assert verdict(claims.gspo_as_stable_as_r2, strong) == "PASS"
+    one_update = change(weak, "gspo", update_activated=0.08)  # since the old policy: 2%
+    assert verdict(claims.gspo_as_stable_as_r2, one_update) == "NOT TESTED"
     collapsing = change(strong, "gspo", collapse_events=1)
     assert verdict(claims.gspo_as_stable_as_r2, collapsing) == "FAIL"
     worse = change(strong, "gspo", final_accuracy=0.5)
@@ -397,8 +402,10 @@ def test_corrections_are_as_stable_as_r3_with_a_float8_engine():
 
 
 def test_main_regime_holds_at_five_percent():
-    rows = arms("grpo", "gspo", "grpo_r2", update_activated=0.06)
+    rows = arms("grpo", "gspo", "grpo_r2", since_old_activated=0.06)
     assert verdict(claims.main_regime_holds, rows) == "PASS"
+    per_update = arms("grpo", "gspo", "grpo_r2", update_activated=0.06)
+    assert verdict(claims.main_regime_holds, per_update) == "FAIL"
     weak = arms("grpo", "gspo", "grpo_r2")  # 2%
     assert verdict(claims.main_regime_holds, weak) == "FAIL"
     tiny = [r | {"model": "tiny"} for r in rows]

@@ -83,6 +83,7 @@ def records(run_id: str, drift: float | None, collapses: bool) -> list[dict]:
         }
         if drift is not None:
             record["routing/update_activated_experts"] = drift * wiggle
+            record["routing/since_old_activated_experts"] = 2 * drift * wiggle
         if step % 4 == 0:
             record["eval/accuracy"] = 0.6
         if collapses and step >= 7:
@@ -122,6 +123,7 @@ def summary_row(arm: str, cell: str, seed: int, steps: list[dict]) -> dict:
         "precursor": "",
         "precursor_step": None,
         "update_activated": drift,
+        "since_old_activated": None if drift is None else 2 * drift,
         "drift_token_layer": 0.1,
         "drift_token_any": 0.3,
         "engine_routing_mismatch": 0.0 if replay == "r3" else ENGINE_MISMATCH[engine],
@@ -168,6 +170,9 @@ def grid_like() -> tuple[list[dict], dict[str, list[dict]]]:
     return rows, curves
 
 
+PROBE_DRIFT = ("routing/update_activated_experts", "routing/since_old_activated_experts")
+
+
 def without(rows: list[dict], *prefixes: str) -> list[dict]:
     """`rows` without the columns starting with any of `prefixes`."""
     return [{k: v for k, v in r.items() if not k.startswith(prefixes)} for r in rows]
@@ -186,9 +191,10 @@ def test_report_text_states_the_regime_the_new_columns_and_each_cells_model_and_
     text = report.format_report(rows, check_claims(rows), [("Drift vs step", "drift.png")])
     lines = text.splitlines()
     assert lines[0] == "# Routing drift and stability in MoE RL (megatron-rl bench drift)"
-    assert "share of activated experts" in text and "`update_activated`" in text
-    # base point, runs without replay (grpo, gspo; not R2, not the frozen routers): 6%
-    assert "At the base point the runs without replay change 6.00% (fine_qwen3) per update." in text
+    assert "share of activated experts" in text and "`since_old_activated`" in text
+    # base point, runs without replay (grpo, gspo; not R2, not the frozen routers): 12%, 6%
+    expected = "the runs without replay reach 12.00% (fine_qwen3; 6.00% per update alone)."
+    assert expected in text
     for cell, (model, engine, updates, _) in CELLS.items():
         at = lines.index(f"## Point `{cell}`")
         assert lines[at + 2] == (
@@ -229,13 +235,19 @@ def test_report_text_states_the_regime_the_new_columns_and_each_cells_model_and_
 def test_the_report_without_the_probes_columns_still_renders():
     rows, _ = grid_like()
     old = without(
-        rows, "update_activated", "engine_routing", "mismatch_k3", "near_tie", "log_ratio_var"
+        rows,
+        "update_activated",
+        "since_old",
+        "engine_routing",
+        "mismatch_k3",
+        "near_tie",
+        "log_ratio_var",
     )
     old = [r | {"model": "recipe"} for r in old]
     claim = Claim(1, "a statement", "NOT TESTED", "no data", "none")
     text = report.format_report(old, [claim], [])
     assert "This grid did not measure it" in text
-    assert "| grpo | 2 | 0 | 0.600 ± 0.000 | 0.620 ± 0.000 | – | 10.00% ± 0.00%" in text
+    assert "| grpo | 2 | 0 | 0.600 ± 0.000 | 0.620 ± 0.000 | – | – | 10.00% ± 0.00%" in text
 
 
 def check_png(result, out, name: str) -> None:
@@ -291,7 +303,7 @@ def test_each_plot_writes_a_png_with_its_data_and_none_without(case, tmp_path):
 def test_drift_vs_step_falls_back_to_token_layer_drift(tmp_path):
     rows, curves = grid_like()
     old = {
-        run: [{k: v for k, v in r.items() if k != "routing/update_activated_experts"} for r in recs]
+        run: [{k: v for k, v in r.items() if k not in PROBE_DRIFT} for r in recs]
         for run, recs in curves.items()
     }
     check_png(report._plot_drift_vs_step(rows, old, tmp_path), tmp_path, "drift_vs_step.png")
@@ -360,8 +372,8 @@ def test_off_policy_groups_rows_that_differ_only_in_updates_per_batch():
     assert list(groups) == [("fine_qwen3", "bfloat16", LR)]
     assert {r["updates_per_batch"] for r in groups["fine_qwen3", "bfloat16", LR]} == {1, 2, 4, 8}
     # drift: the papers' metric where the runs recorded it, else token-layer drift
-    assert report._drift_column(rows)[0] == "update_activated"
-    assert report._drift_column(without(rows, "update_activated"))[0] == "drift_token_layer"
+    assert report._drift_column(rows)[0] == "since_old_activated"
+    assert report._drift_column(without(rows, "since_old"))[0] == "drift_token_layer"
     relearned = [r | {"lr": 2 * LR} if r["updates_per_batch"] == 8 else r for r in rows]
     assert {
         r["updates_per_batch"]
@@ -404,6 +416,7 @@ def test_every_plot_runs_on_an_old_tiny_grid(tmp_path):
         for r in without(
             rows,
             "update_activated",
+            "since_old",
             "routes_",
             "flip_rate_",
             "near_tie",
@@ -414,7 +427,7 @@ def test_every_plot_runs_on_an_old_tiny_grid(tmp_path):
         if r["cell"] == "base"
     ]
     old_curves = {
-        run: [{k: v for k, v in r.items() if k != "routing/update_activated_experts"} for r in recs]
+        run: [{k: v for k, v in r.items() if k not in PROBE_DRIFT} for r in recs]
         for run, recs in curves.items()
     }
     old_rows = [r | {"first_collapse_step": None} for r in old_rows]
