@@ -218,7 +218,7 @@ def test_default_grid_plans_the_papers_regime():
     assert all(
         len({r.seed for r in grid.runs if r.cell == c}) == 3 for c in {r.cell for r in grid.runs}
     )
-    assert len(grid.runs) == 21 + 48 + 18 + 9 + 6
+    assert len(grid.runs) == 24 + 48 + 18 + 9 + 6
     quick = load_grid(str(RECIPE), QUICK_GRID)
     assert len(quick.runs) == 21 and {run.seed for run in quick.runs} == {1}
     assert {run.recipe.run.steps for run in quick.runs} == {12}
