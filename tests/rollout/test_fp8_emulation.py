@@ -186,6 +186,7 @@ def test_the_engine_holds_quantised_weights_at_load_and_after_a_sync(tmp_path, m
         _check_weights(built, tensors)
 
 
+@pytest.mark.extended  # a child process of its own (11 s); the in-process engine runs every time
 @pytest.mark.timeout(180)
 def test_a_child_process_engine_quantises_synced_weights(engines):
     _, fp8 = engines
