@@ -25,7 +25,7 @@ The rows name their base model in `model` (`MAIN_MODEL` is the main one; `FINE_M
 fine-grained MoE ones; `DENSE_MODEL` the one-expert control) and the rollout engine's precision
 in `engine_dtype` (missing: float32). An arm is its (loss, routing_replay, mismatch) and whether
 it freezes the routers (`freeze_router`, missing: not frozen). "Runs without replay" are those
-with routing_replay none and trained routers.
+with routing_replay none and trained routers, on a model with routing (not `DENSE_MODEL`).
 """
 
 from __future__ import annotations
@@ -102,8 +102,9 @@ GSPO_ENGINE = _is("gspo", "none", mismatch="bypass")
 
 
 def _no_replay(row: Row) -> bool:
-    """A run whose routers choose freely and are trained (module docstring)."""
-    return row["routing_replay"] == "none" and not _frozen(row)
+    """A run whose routers choose freely and are trained (module docstring), on a model that has
+    a choice to make: the dense control's one expert is always chosen."""
+    return row["routing_replay"] == "none" and not _frozen(row) and row.get("model") != DENSE_MODEL
 
 
 def _values(rows: list[Row], column: str) -> list[float]:

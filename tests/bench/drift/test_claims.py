@@ -98,6 +98,12 @@ def test_grpo_arm_leaves_out_frozen_routers_and_reads_a_missing_flag_as_trained(
     assert claims.GRPO_FROZEN(row("grpo_frozen_router") | {"freeze_router": "True"})
 
 
+def test_the_dense_controls_runs_have_no_routing_to_drift():
+    rows = arms("grpo", "grpo_r2")
+    dense = arms("grpo", cell="dense", model="dense_control", update_activated=0.0)
+    assert verdict(claims.drift_after_update, rows + dense) == "PASS"
+
+
 def test_drift_after_update_fails_on_zero_drift_or_a_replay_miss():
     rows = arms("grpo", "grpo_r2")
     assert verdict(claims.drift_after_update, rows) == "PASS"
