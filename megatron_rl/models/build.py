@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_rl.models.config import Dispatcher, MoEModelConfig
-from megatron_rl.moe.grouped_experts import GroupedSequentialMLP
+from megatron_rl.models.grouped_experts import GroupedSequentialMLP
 from megatron_rl.parallel.dims import ParallelDims
 
 
@@ -177,7 +177,7 @@ def transformer_config(
 def block_spec(config: TransformerConfig, *, use_te: bool) -> TransformerBlockSubmodules:
     """The layers of this pipeline stage, dense or MoE as `config.moe_layer_freq` says: TE modules
     on GPU when available, megatron-core's torch ones else, with the routed experts in grouped
-    GEMMs instead of a loop (`megatron_rl.moe.grouped_experts`)."""
+    GEMMs instead of a loop (`megatron_rl.models.grouped_experts`)."""
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization="RMSNorm"
     )

@@ -225,7 +225,7 @@ def test_default_grid_plans_the_papers_regime():
 
 
 def test_the_first_grid_file_plans_the_checked_in_report():
-    grid = load_grid(str(RECIPE), str(RECIPE.parent / "drift_tiny_grid.yaml"))
+    grid = load_grid(str(RECIPE), str(RECIPE.parent / "tiny_drift.yaml"))
     cells = {run.cell for run in grid.runs}
     assert {"base", "updates_per_batch=1", "updates_per_batch=8", "layers=2", "layers=8"} <= cells
     assert "updates_per_batch=4" not in cells and "layers=4" not in cells  # the base point

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from megatron_rl.models.build import build_gpt_moe
-from megatron_rl.moe.grouped_experts import GroupedSequentialMLP
+from megatron_rl.models.grouped_experts import GroupedSequentialMLP
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
 from tests.parallel.invariance import TINY_MOE

@@ -1,4 +1,4 @@
-"""Routed experts in grouped GEMMs (megatron_rl.moe.grouped_experts) give megatron-core's
+"""Routed experts in grouped GEMMs (megatron_rl.models.grouped_experts) give megatron-core's
 SequentialMLP loop's outputs and gradients on a real fine-grained model (64 experts, top-8),
 on one rank and split over two expert-parallel ranks."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.moe import grouped_experts_worker
+from tests.models import grouped_experts_worker
 from tests.parallel.harness import run_on_ranks
 
 
