@@ -88,6 +88,7 @@ def test_a_bias_update_rate_needs_a_router_with_an_expert_bias():
         )
 
 
+@pytest.mark.extended  # a whole training run; the aux loss's gradient is checked above
 @pytest.mark.timeout(300)
 def test_a_short_run_with_the_aux_loss_trains(tmp_path):
     metrics = finished_run_metrics(train_cli(tmp_path, ["model.aux_loss_coeff=0.01"]), tmp_path)
@@ -103,6 +104,7 @@ def _exported(run_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@pytest.mark.extended  # three training runs (~70 s): `scripts/test.sh -m extended`
 @pytest.mark.timeout(600)
 def test_a_run_with_bias_updates_resumes_to_bit_identical_weights(tmp_path):
     rate = 1e-2
