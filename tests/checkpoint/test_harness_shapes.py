@@ -64,7 +64,7 @@ def _one_sft_step(name: str, directory: Path) -> Path:
 
 
 @pytest.mark.timeout(300)
-# The DeepSeek-V3 shape (MLA, a dense first layer, groups, a bias) runs every time; the other two
+# The DeepSeek-V3 shape (MLA, a dense first layer, groups, a bias) runs every time; the others
 # (rules every other family test already covers) in the extended tier.
 @pytest.mark.parametrize(
     "name",
