@@ -248,8 +248,9 @@ SHAPES = {
         aux_loss_coeff=0.01,
     ),
     # Regime pilots (docs/drift.md, "Towards 5% per update"): fine_qwen3 with 10x its aux-loss
-    # weight, and the same at 128 experts; the lever the issue measured (balancing keeps margins
-    # small) against the learning rate, which collapses the dense control too.
+    # weight, the same at 128 experts, and 128 experts at aux 0.3; the lever the issue measured
+    # (balancing keeps margins small) against the learning rate, which collapses the dense
+    # control too.
     "pilot_aux01": Shape(
         family="qwen3_moe",
         layers=8,
@@ -267,6 +268,15 @@ SHAPES = {
         moe_ffn=16,
         dense_ffn=128,
         aux_loss_coeff=0.1,
+    ),
+    "pilot_e128_aux03": Shape(
+        family="qwen3_moe",
+        layers=8,
+        experts=128,
+        topk=8,
+        moe_ffn=16,
+        dense_ffn=128,
+        aux_loss_coeff=0.3,
     ),
     # DeepSeek-V3: as fine-grained, a sigmoid router in 8 groups of 8 (best 4 groups), the
     # expert bias updated (aux-loss-free balancing, DeepSeek-V3's rate), a shared expert of a
