@@ -39,7 +39,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -236,48 +236,26 @@ class Shape:
         )
 
 
+# Qwen3-MoE fine-grained: 64 small experts, top-8, megatron-core's aux loss in SFT and RL.
+FINE_QWEN3 = Shape(
+    family="qwen3_moe",
+    layers=8,
+    experts=64,
+    topk=8,
+    moe_ffn=16,
+    dense_ffn=128,
+    aux_loss_coeff=0.01,
+)
+
 SHAPES = {
-    # Qwen3-MoE fine-grained: 64 small experts, top-8, megatron-core's aux loss in SFT and RL.
-    "fine_qwen3": Shape(
-        family="qwen3_moe",
-        layers=8,
-        experts=64,
-        topk=8,
-        moe_ffn=16,
-        dense_ffn=128,
-        aux_loss_coeff=0.01,
-    ),
+    "fine_qwen3": FINE_QWEN3,
     # Regime pilots (docs/drift.md, "Towards 5% per update"): fine_qwen3 with 10x its aux-loss
     # weight, the same at 128 experts, and 128 experts at aux 0.3; the lever the issue measured
     # (balancing keeps margins small) against the learning rate, which collapses the dense
     # control too.
-    "pilot_aux01": Shape(
-        family="qwen3_moe",
-        layers=8,
-        experts=64,
-        topk=8,
-        moe_ffn=16,
-        dense_ffn=128,
-        aux_loss_coeff=0.1,
-    ),
-    "pilot_e128_aux01": Shape(
-        family="qwen3_moe",
-        layers=8,
-        experts=128,
-        topk=8,
-        moe_ffn=16,
-        dense_ffn=128,
-        aux_loss_coeff=0.1,
-    ),
-    "pilot_e128_aux03": Shape(
-        family="qwen3_moe",
-        layers=8,
-        experts=128,
-        topk=8,
-        moe_ffn=16,
-        dense_ffn=128,
-        aux_loss_coeff=0.3,
-    ),
+    "pilot_aux01": replace(FINE_QWEN3, aux_loss_coeff=0.1),
+    "pilot_e128_aux01": replace(FINE_QWEN3, experts=128, aux_loss_coeff=0.1),
+    "pilot_e128_aux03": replace(FINE_QWEN3, experts=128, aux_loss_coeff=0.3),
     # DeepSeek-V3: as fine-grained, a sigmoid router in 8 groups of 8 (best 4 groups), the
     # expert bias updated (aux-loss-free balancing, DeepSeek-V3's rate), a shared expert of a
     # routed expert's width, the first layer dense with the active experts' width (8 + 1) x 16.
