@@ -247,29 +247,36 @@ FINE_QWEN3 = Shape(
     aux_loss_coeff=0.01,
 )
 
+FINE_DEEPSEEK = Shape(
+    family="deepseek_v3",
+    layers=8,
+    experts=64,
+    topk=8,
+    moe_ffn=16,
+    dense_ffn=144,
+    groups=8,
+    group_topk=4,
+    router_bias_update_rate=1e-3,
+)
+
 SHAPES = {
     "fine_qwen3": FINE_QWEN3,
+    # The papers' regime (the default grid's main model): fine_qwen3 at 128 experts (as
+    # Qwen3-30B-A3B; the same active parameters) and 30x its aux-loss weight, which keeps router
+    # margins small enough that ~5% of activated experts change per batch at the grid's learning
+    # rate (the pilot `pilot_e128_aux03` of docs/drift.md, renamed).
+    "fine_qwen3_e128": replace(FINE_QWEN3, experts=128, aux_loss_coeff=0.3),
     # Regime pilots (docs/drift.md, "Towards 5% per update"): fine_qwen3 with 10x its aux-loss
-    # weight, the same at 128 experts, and 128 experts at aux 0.3; the lever the issue measured
-    # (balancing keeps margins small) against the learning rate, which collapses the dense
-    # control too.
+    # weight, and the same at 128 experts; the lever the issue measured (balancing keeps margins
+    # small) against the learning rate, which collapses the dense control too.
     "pilot_aux01": replace(FINE_QWEN3, aux_loss_coeff=0.1),
     "pilot_e128_aux01": replace(FINE_QWEN3, experts=128, aux_loss_coeff=0.1),
-    "pilot_e128_aux03": replace(FINE_QWEN3, experts=128, aux_loss_coeff=0.3),
     # DeepSeek-V3: as fine-grained, a sigmoid router in 8 groups of 8 (best 4 groups), the
     # expert bias updated (aux-loss-free balancing, DeepSeek-V3's rate), a shared expert of a
     # routed expert's width, the first layer dense with the active experts' width (8 + 1) x 16.
-    "fine_deepseek": Shape(
-        family="deepseek_v3",
-        layers=8,
-        experts=64,
-        topk=8,
-        moe_ffn=16,
-        dense_ffn=144,
-        groups=8,
-        group_topk=4,
-        router_bias_update_rate=1e-3,
-    ),
+    "fine_deepseek": FINE_DEEPSEEK,
+    # The same at 128 experts (8 groups of 16), the sigmoid router beside fine_qwen3_e128.
+    "fine_deepseek_e128": replace(FINE_DEEPSEEK, experts=128),
     # The dense control: a Qwen3-MoE with one expert of fine_qwen3's active width 8 x 16, always
     # chosen with weight exactly 1 (softmax over the one expert, top-1): a dense SwiGLU layer, in
     # a family both transformers and megatron-core run (its router weight gets no gradient; no

@@ -8,6 +8,7 @@ built with the script's defaults, the way the shipped 4-layer model was made).""
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 import sys
@@ -76,3 +77,18 @@ def rl_options(model_dir: Path) -> dict[str, Any]:
     if not isinstance(options, dict):
         raise ValueError(f"{path}: rl_options: expected a mapping of recipe keys, got {options!r}")
     return options
+
+
+def weights_digest(model_dir: Path) -> str:
+    """sha256 of the model's weights (its safetensors files, by name): what tells one build of a
+    shape from another (a rebuild on another machine need not round alike)."""
+    digest = hashlib.sha256()
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as weights:
+            for block in iter(lambda: weights.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()

@@ -85,16 +85,17 @@ ORIGINAL_ARMS = ("grpo", "grpo_r2", "grpo_r3", "gspo", "gspo_engine_logp", "gspo
 VARIANT_FIELDS = ("base_model.layers", "base_model.experts", "base_model.topk")
 # The base model's fields: a named shape of the tiny-model script, or a variant of the recipe's.
 SHAPE_FIELDS = (*VARIANT_FIELDS, "base_model.shape")
-# The default CPU grid, towards the papers' regime (issue 36): the fine-grained Qwen3-MoE-shaped
-# model (64 experts of width 16, top-8, 8 layers, the aux loss on; `base_model.shape:
-# fine_qwen3`) at the largest learning rate the pilots found the dense control stable at (3e-4:
-# ~1.7% of activated experts differ from the old policy's after each update at 4 updates per
-# batch, 2.7% at 8; at 1e-3 the dense control collapses too: docs/drift.md), with the routing
-# probe on. Off-policy degrees run with a bfloat16 engine (as production engines are), where R3
-# differs from R2; the float32 engine (the base point) is the zero-mismatch oracle.
+# The default CPU grid, in the papers' regime (issue 36): the fine-grained Qwen3-MoE-shaped model
+# at 128 experts (of width 16, top-8, 8 layers, the aux loss on at 0.3; `base_model.shape:
+# fine_qwen3_e128`) at the largest learning rate the pilots found the dense control stable at
+# (3e-4; at 1e-3 the dense control collapses too). Its pilots: ~5.3% of activated experts differ
+# from the old policy's after each update at 4 updates per batch over 25 steps, against ~1.7% of
+# the 64-expert fine_qwen3 at aux 0.01 (docs/drift.md). The routing probe is on. Off-policy
+# degrees run with a bfloat16 engine (as production engines are), where R3 differs from R2; the
+# float32 engine (the base point) is the zero-mismatch oracle.
 REGIME_LR = 3.0e-4
 _PAPERS_SET: dict[str, Any] = {
-    "base_model.shape": "fine_qwen3",
+    "base_model.shape": "fine_qwen3_e128",
     "optim.lr": REGIME_LR,
     "run.steps": 25,
     "run.eval_every": 5,
@@ -154,7 +155,7 @@ DEFAULT_GRID: dict[str, Any] = {
         {
             "name": "sigmoid_router",
             "field": "base_model.shape",
-            "values": ["fine_deepseek"],
+            "values": ["fine_deepseek_e128"],
             "arms": ["grpo", "grpo_r2", "gspo"],
         },
         {
@@ -203,7 +204,7 @@ QUICK_GRID: dict[str, Any] = {
         {
             "name": "other_models",
             "field": "base_model.shape",
-            "values": ["fine_deepseek", "dense_control"],
+            "values": ["fine_deepseek_e128", "dense_control"],
             "arms": ["grpo"],
         },
     ],

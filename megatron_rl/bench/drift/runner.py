@@ -4,8 +4,11 @@ The results directory holds `grid.json` (what the grid and recipe were: another 
 and `runs/RUN_ID/` per run: `recipe.yaml` (the run's whole recipe), `metrics.jsonl`,
 `train.log` and, when the process has ended, `status.json` (done or crashed, with the error).
 A run with a status is not run again, except a crashed one with `rerun_crashed`; a run that was
-interrupted (no status) starts afresh. Every process is started in its own session and stopped
-by its PID (its process group) if the grid is interrupted.
+interrupted (no status) starts afresh. `models.json` holds the weights' digest of each base model
+the runs used: a results directory resumed with another build of a model (rebuilt on another
+machine, say) is refused, since its runs would start from two different models. Every process is
+started in its own session and stopped by its PID (its process group) if the grid is
+interrupted.
 """
 
 from __future__ import annotations
@@ -60,6 +63,23 @@ def check_results_dir(out: Path, grid: DriftGrid) -> None:
         raise GridError(f"--out {out}: not empty and not a drift results directory (no grid.json)")
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(identity, indent=1, sort_keys=True) + "\n")
+
+
+def check_model_build(out: Path, model: Path) -> None:
+    """Record the weights' digest of base model `model` in `out`'s models.json, or refuse a
+    build other than the one recorded."""
+    path = out / "models.json"
+    recorded = json.loads(path.read_text()) if path.is_file() else {}
+    digest = base_models.weights_digest(model)
+    held = recorded.get(model.name)
+    if held is None:
+        write_text_atomic(path, json.dumps(recorded | {model.name: digest}, indent=1) + "\n")
+    elif held != digest:
+        raise GridError(
+            f"--models-dir: {model} is another build of {model.name} than the one the runs in "
+            f"{out} used (weights sha256 {digest[:12]}, recorded {held[:12]} in {path}); restore "
+            "that build, or choose another --out to start over"
+        )
 
 
 @dataclass
@@ -171,9 +191,11 @@ def _run_task(
     def prepare() -> None:
         if build in failed:
             raise _NotStarted(failed[build])
+        model = None if run.shape is None else base_models.model_path(models_dir, run.shape)
+        if model is not None:
+            check_model_build(out, model)
         shutil.rmtree(directory, ignore_errors=True)  # an interrupted attempt starts afresh
         directory.mkdir(parents=True)
-        model = None if run.shape is None else base_models.model_path(models_dir, run.shape)
         recipe = run.recipe if model is None else recipe_for(grid, run, model)
         tree = json.loads(json.dumps(dataclasses.asdict(recipe)))  # enums as their values
         tree["run"]["dir"] = str(directory)

@@ -31,7 +31,7 @@ def row(arm: str, seed: int = 1, cell: str = "base", **values) -> dict:
         "cell": cell,
         "seed": seed,
         "state": "done",
-        "model": "fine_qwen3",
+        "model": "fine_qwen3_e128",
         "engine_dtype": "float32",
         "loss": loss,
         "routing_replay": replay,
@@ -78,9 +78,9 @@ def test_regime_is_the_share_of_activated_experts_changed_since_the_old_policy()
     regime = claims.drift_after_update(arms("grpo", "grpo_r2")).regime
     assert regime == (
         "2.00% of activated experts changed since the old policy after each update (mean of "
-        "the runs without replay, model fine_qwen3, engine float32)"
+        "the runs without replay, model fine_qwen3_e128, engine float32)"
     )
-    two_models = arms("grpo") + arms("grpo", cell="m", model="fine_deepseek")
+    two_models = arms("grpo") + arms("grpo", cell="m", model="fine_deepseek_e128")
     assert "model" not in claims._regime(two_models)
     per_update = change(arms("grpo"), "grpo", update_activated=0.5)  # not the regime's measure
     assert claims._regime(per_update).startswith("2.00%")
@@ -116,7 +116,7 @@ def test_drift_after_update_fails_on_zero_drift_or_a_replay_miss():
     assert verdict(claims.drift_after_update, arms("grpo")) == "NOT TESTED"
 
 
-def layer_rows(later: bool = True, model: str = "fine_qwen3", layers=range(8)) -> list[dict]:
+def layer_rows(later: bool = True, model: str = "fine_qwen3_e128", layers=range(8)) -> list[dict]:
     n = len(layers)
     per_layer = {
         f"update_activated_layer_{i}": 0.01 * (k + 1 if later else n - k)
@@ -130,7 +130,7 @@ def test_later_layers_drift_more_on_the_main_model():
     dense_first = layer_rows(layers=range(1, 8))  # model layer numbering: layer 0 is dense
     assert verdict(claims.later_layers_drift_more, dense_first) == "PASS"
     assert verdict(claims.later_layers_drift_more, layer_rows(later=False)) == "FAIL"
-    other = layer_rows(model="fine_deepseek")
+    other = layer_rows(model="fine_deepseek_e128")
     assert verdict(claims.later_layers_drift_more, other) == "NOT TESTED"
     assert verdict(claims.later_layers_drift_more, layer_rows(layers=[3])) == "NOT TESTED"
     off_base = [r | {"cell": "lr=4e-4"} for r in layer_rows()]
@@ -270,7 +270,7 @@ def test_spearman_uses_average_ranks_for_ties():
     assert claims.spearman([1], [1]) is None
 
 
-def tie_rows(predicts: bool = True, model: str = "fine_qwen3") -> list[dict]:
+def tie_rows(predicts: bool = True, model: str = "fine_qwen3_e128") -> list[dict]:
     rows = []
     for seed in (1, 2, 3):
         values = {}
@@ -286,7 +286,7 @@ def tie_rows(predicts: bool = True, model: str = "fine_qwen3") -> list[dict]:
 def test_near_ties_predict_layer_drift_on_the_fine_models():
     claim = claims.near_ties_predict_layer_drift(tie_rows())
     assert claim.verdict == "PASS" and "1.00 over 12 (run, layer) pairs" in claim.evidence
-    deepseek = tie_rows(model="fine_deepseek")
+    deepseek = tie_rows(model="fine_deepseek_e128")
     assert verdict(claims.near_ties_predict_layer_drift, deepseek) == "PASS"
     assert verdict(claims.near_ties_predict_layer_drift, tie_rows(predicts=False)) == "FAIL"
     tiny = tie_rows(model="tiny")
@@ -326,8 +326,8 @@ def model_rows(deepseek_drift: float = 0.09, **deepseek_values) -> list[dict]:
         "grpo",
         "gspo",
         "grpo_r2",
-        cell="model=fine_deepseek",
-        model="fine_deepseek",
+        cell="model=fine_deepseek_e128",
+        model="fine_deepseek_e128",
         update_activated=deepseek_drift,
         **deepseek_values,
     )
@@ -340,7 +340,7 @@ def test_sigmoid_routers_drift_more_per_arm_at_equal_settings():
     assert "grpo_r2" not in claim.evidence  # replay arms do not count
     one_arm_less = [
         r | {"update_activated": 0.03}
-        if r["model"] == "fine_deepseek" and r["arm"] == "gspo"
+        if r["model"] == "fine_deepseek_e128" and r["arm"] == "gspo"
         else r
         for r in model_rows()
     ]

@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import save_file
 
 from megatron_rl.bench.drift import (
     prepare_drift_benchmark,
@@ -23,7 +25,7 @@ from megatron_rl.bench.drift.grid import (
     GridError,
     load_grid,
 )
-from megatron_rl.bench.drift.runner import check_results_dir
+from megatron_rl.bench.drift.runner import check_model_build, check_results_dir
 from tests.trainer.run_cli import RECIPE, SHORT_RUN
 
 TINY = {
@@ -191,11 +193,29 @@ def test_cli_refuses_zero_jobs_and_a_foreign_directory(tmp_path):
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
 
 
+def test_a_results_directory_refuses_another_build_of_its_base_model(tmp_path):
+    out, model = tmp_path / "results", tmp_path / "models" / "fine_qwen3_e128"
+    out.mkdir()
+    model.mkdir(parents=True)
+    weights = {"router.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    save_file(weights, model / "model.safetensors")
+    check_model_build(out, model)  # the first run records the build
+    recorded = (out / "models.json").read_text()
+    assert "fine_qwen3_e128" in recorded
+    check_model_build(out, model)  # the same build resumes
+    # a rebuild that rounded one weight differently
+    weights["router.weight"][1, 2] = torch.nextafter(torch.tensor(5.0), torch.tensor(6.0))
+    save_file(weights, model / "model.safetensors")
+    with pytest.raises(GridError, match=r"--models-dir: .*another build of fine_qwen3_e128"):
+        check_model_build(out, model)
+    assert (out / "models.json").read_text() == recorded
+
+
 def test_default_grid_plans_the_papers_regime():
     grid = load_grid(str(RECIPE), None)
     base = [run for run in grid.runs if run.cell == "base"]
     assert {run.arm for run in base} == set(DEFAULT_GRID["base_arms"])
-    assert all(run.shape == {"shape": "fine_qwen3"} for run in base)
+    assert all(run.shape == {"shape": "fine_qwen3_e128"} for run in base)
     assert all(run.recipe.metrics.routing_probe for run in grid.runs)
     assert {run.recipe.optim.lr for run in grid.runs} == {REGIME_LR}
 
@@ -212,7 +232,7 @@ def test_default_grid_plans_the_papers_regime():
         engine(r) == "float32" and r.arm in fp8 - {"grpo", "grpo_r2", "gspo"} for r in grid.runs
     )
     models = {run.shape["shape"] for run in grid.runs}
-    assert models == {"fine_qwen3", "fine_deepseek", "dense_control"}
+    assert models == {"fine_qwen3_e128", "fine_deepseek_e128", "dense_control"}
     dense = {run.arm for run in grid.runs if run.shape == {"shape": "dense_control"}}
     assert dense == {"grpo", "gspo"}
     assert all(

@@ -34,18 +34,18 @@ ARMS = {
 }
 # cell -> (model, engine dtype, updates per batch, arms), as grid.py's DEFAULT_GRID plans them
 CELLS = {
-    "base": ("fine_qwen3", "float32", 4, ("grpo", "grpo_r2", "gspo", "grpo_frozen_router")),
+    "base": ("fine_qwen3_e128", "float32", 4, ("grpo", "grpo_r2", "gspo", "grpo_frozen_router")),
     **{
-        BF16.format(n): ("fine_qwen3", "bfloat16", n, ("grpo", "grpo_r2", "grpo_r3", "gspo"))
+        BF16.format(n): ("fine_qwen3_e128", "bfloat16", n, ("grpo", "grpo_r2", "grpo_r3", "gspo"))
         for n in (1, 2, 4, 8)
     },
     FP8: (
-        "fine_qwen3",
+        "fine_qwen3_e128",
         "float8_emulated",
         4,
         ("grpo", "grpo_r3", "grpo_tis", "grpo_mis_geometric"),
     ),
-    "shape=fine_deepseek": ("fine_deepseek", "float32", 4, ("grpo", "grpo_r2", "gspo")),
+    "shape=fine_deepseek_e128": ("fine_deepseek_e128", "float32", 4, ("grpo", "grpo_r2", "gspo")),
     "shape=dense_control": ("dense_control", "float32", 4, ("grpo", "gspo")),
 }
 SEEDS = (1, 2)
@@ -193,7 +193,7 @@ def test_report_text_states_the_regime_the_new_columns_and_each_cells_model_and_
     assert lines[0] == "# Routing drift and stability in MoE RL (megatron-rl bench drift)"
     assert "share of activated experts" in text and "`since_old_activated`" in text
     # base point, runs without replay (grpo, gspo; not R2, not the frozen routers): 12%, 6%
-    expected = "the runs without replay reach 12.00% (fine_qwen3; 6.00% per update alone)."
+    expected = "the runs without replay reach 12.00% (fine_qwen3_e128; 6.00% per update alone)."
     assert expected in text
     for cell, (model, engine, updates, _) in CELLS.items():
         at = lines.index(f"## Point `{cell}`")
@@ -331,9 +331,9 @@ def test_the_depth_plot_needs_several_depths(tmp_path):
 def test_the_base_like_cells_share_the_base_points_updates_lr_and_engine():
     rows, _ = grid_like()
     cells = {r["cell"] for r in report._at_base_except(rows, "layers")}
-    assert cells == {"base", "shape=fine_deepseek", "shape=dense_control"}
+    assert cells == {"base", "shape=fine_deepseek_e128", "shape=dense_control"}
     cells = {r["cell"] for r in report._at_base_except(rows, "updates_per_batch")}
-    assert cells == {"base", "shape=fine_deepseek", "shape=dense_control"}  # all float32
+    assert cells == {"base", "shape=fine_deepseek_e128", "shape=dense_control"}  # all float32
 
 
 def test_margin_buckets_pool_flips_over_routes_per_model_over_runs_without_replay():
@@ -369,8 +369,13 @@ def test_off_policy_groups_rows_that_differ_only_in_updates_per_batch():
     rows, _ = grid_like()
     groups = report.off_policy_groups(rows, "update_activated")
     # the float32 base point and the float8 point run 4 updates only: not a sweep
-    assert list(groups) == [("fine_qwen3", "bfloat16", LR)]
-    assert {r["updates_per_batch"] for r in groups["fine_qwen3", "bfloat16", LR]} == {1, 2, 4, 8}
+    assert list(groups) == [("fine_qwen3_e128", "bfloat16", LR)]
+    assert {r["updates_per_batch"] for r in groups["fine_qwen3_e128", "bfloat16", LR]} == {
+        1,
+        2,
+        4,
+        8,
+    }
     # drift: the papers' metric where the runs recorded it, else token-layer drift
     assert report._drift_column(rows)[0] == "since_old_activated"
     assert report._drift_column(without(rows, "since_old"))[0] == "drift_token_layer"
@@ -378,7 +383,7 @@ def test_off_policy_groups_rows_that_differ_only_in_updates_per_batch():
     assert {
         r["updates_per_batch"]
         for r in report.off_policy_groups(relearned, "update_activated")[
-            "fine_qwen3", "bfloat16", LR
+            "fine_qwen3_e128", "bfloat16", LR
         ]
     } == {1, 2, 4}
 
