@@ -33,6 +33,7 @@ ASSET_FILES = (
     "vocab.json",
     "merges.txt",
     "tokenizer.model",
+    "tiktoken.model",
     "chat_template.jinja",
     "generation_config.json",
 )
@@ -180,8 +181,30 @@ class HFCheckpoint:
 
 
 def asset_files(directory: Path) -> list[Path]:
-    """The tokenizer and generation files (ASSET_FILES) present in `directory`."""
-    return [directory / name for name in ASSET_FILES if (directory / name).is_file()]
+    """The tokenizer and generation files (ASSET_FILES) present in `directory`, and the modules
+    of a tokenizer that is code of its own (`tokenizer_code_files`)."""
+    names = [*ASSET_FILES, *tokenizer_code_files(directory)]
+    return [directory / name for name in names if (directory / name).is_file()]
+
+
+def tokenizer_code_files(directory: Path) -> list[str]:
+    """The Python modules that tokenizer_config.json's auto_map names for AutoTokenizer
+    (`["tokenization_moonshot.TikTokenTokenizer", null]`: tokenization_moonshot.py); none for
+    a tokenizer of transformers' own, or a tokenizer_config.json that is not JSON (loading the
+    tokenizer names that)."""
+    path = directory / "tokenizer_config.json"
+    try:
+        auto_map = json.loads(path.read_bytes()).get("auto_map") if path.is_file() else None
+    except ValueError:
+        return []
+    classes = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    if isinstance(classes, str):
+        classes = [classes]
+    if not isinstance(classes, list):
+        return []
+    # "module.Class", or "repo--module.Class" for code kept in another repository
+    modules = {ref.split("--")[-1].rsplit(".", 1)[0] for ref in classes if isinstance(ref, str)}
+    return sorted(f"{module}.py" for module in modules)
 
 
 def copy_assets(files: Iterable[Path], directory: Path) -> None:

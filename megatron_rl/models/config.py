@@ -29,6 +29,10 @@ class ModelConfig:
     """Megatron-Core's MoE token dispatcher."""
     recompute: bool = False
     """Recompute activations in the backward pass (less memory, more time)."""
+    trust_remote_code: bool = False
+    """Run the checkpoint's own tokenizer code (tokenizer_config.json's auto_map; Moonlight's
+    tiktoken tokenizer). The tokenizer only: the model always runs megatron-core's layers, and
+    the engines transformers' or SGLang's own implementation of its family."""
     aux_loss_coeff: float = 0.0
     """Megatron-Core's switch load-balancing loss in every MoE layer, this times its value
     averaged over the update's micro-batches added to the policy loss (0: off)."""

@@ -7,9 +7,12 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from megatron_rl.files.hf_checkpoint import tokenizer_code_files
+
 # Where a tokenizer's vocabulary comes from: a fast tokenizer's tokenizer.json, a SentencePiece
-# model, a BPE vocabulary. Without any of them transformers builds a tokenizer of one token.
-VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# model, a BPE vocabulary, a tiktoken ranks file (read by the tokenizer's own code).
+# Without any of them transformers builds a tokenizer of one token.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 # The tokenizer's JSON files, checked to name the damaged one when loading fails.
 JSON_FILES = (
     "tokenizer.json",
@@ -28,12 +31,18 @@ class PromptCodec:
         max_prompt_tokens: longest prompt accepted; a longer one is an error naming it.
         chat_template: each prompt becomes one user message in the tokenizer's chat template,
             followed by the assistant's turn (instruct models).
+        trust_remote_code: run the tokenizer's own code (`model.trust_remote_code`).
     """
 
     def __init__(
-        self, tokenizer_dir: str | Path, *, max_prompt_tokens: int, chat_template: bool = False
+        self,
+        tokenizer_dir: str | Path,
+        *,
+        max_prompt_tokens: int,
+        chat_template: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
-        self.tokenizer = load_tokenizer(Path(tokenizer_dir))
+        self.tokenizer = load_tokenizer(Path(tokenizer_dir), trust_remote_code=trust_remote_code)
         if self.tokenizer.eos_token_id is None:
             raise ValueError(f"{tokenizer_dir}: the tokenizer defines no eos token")
         if chat_template and not self.tokenizer.chat_template:
@@ -81,16 +90,24 @@ class PromptCodec:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
-    """The Hugging Face tokenizer in `directory`; a missing or damaged one is a ValueError of one
-    line naming the directory, or the file when a JSON file of it is not JSON."""
+def load_tokenizer(directory: Path, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The Hugging Face tokenizer in `directory`, its own code run only with `trust_remote_code`;
+    a missing or damaged one is a ValueError of one line naming the directory, or the file when
+    a JSON file of it is not JSON, and a tokenizer of its own code without `trust_remote_code`
+    one that says so."""
     if not directory.is_dir():
         raise ValueError(f"{directory}: not a directory (the tokenizer's)")
     if not any((directory / name).is_file() for name in VOCABULARY_FILES):
         raise ValueError(f"{directory}: no tokenizer (none of {', '.join(VOCABULARY_FILES)})")
     try:
-        return AutoTokenizer.from_pretrained(directory)
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
     except Exception as error:  # transformers and the tokenizers library raise many kinds
+        code = tokenizer_code_files(directory)
+        if code and not trust_remote_code:
+            raise ValueError(
+                f"{directory}: the tokenizer is code of its own ({', '.join(code)}, named by "
+                "tokenizer_config.json's auto_map); set model.trust_remote_code=true to run it"
+            ) from None
         for name in JSON_FILES:
             path = directory / name
             try:

@@ -135,6 +135,7 @@ class Trainer:
             hf_path,
             max_prompt_tokens=_max_prompt_tokens(recipe),
             chat_template=recipe.data.chat_template,
+            trust_remote_code=recipe.model.trust_remote_code,
         )
         problems = problem_source(
             recipe.data, per_step=recipe.rollout.prompts_per_step, seed=recipe.run.seed

@@ -226,6 +226,7 @@ def test_four_times_the_micro_batch_holds_four_times_the_activations():
         ("qwen3_30b_a3b_grpo_r2.yaml", 2, "qwen3_30b_a3b.json"),
         ("mixtral_8x7b_gspo.yaml", 2, "mixtral_8x7b.json"),
         ("qwen3_30b_a3b_word_problems.yaml", 2, "qwen3_30b_a3b.json"),
+        ("moonlight_16b_a3b_gspo.yaml", 1, "moonlight_16b_a3b.json"),
     ],
 )
 def test_the_cluster_recipes_fit_their_documented_clusters(recipe, nodes, config):

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from megatron_rl.files.hf_checkpoint import asset_files
 from megatron_rl.rollout.codec import PromptCodec
 from tests.rollout.test_collect import TINY_MODEL
 
@@ -75,3 +76,74 @@ def test_a_missing_or_damaged_tokenizer_is_one_line_naming_its_path(
     text = str(raised.value)
     assert text.startswith(f"{model / named if named else model}: {message}"), text
     assert "\n" not in text
+
+
+# A tokenizer that is code of its own, as Moonlight's (tiktoken.model + tokenization_moonshot.py,
+# named by tokenizer_config.json's auto_map): here one token per character.
+CHAR_TOKENIZER_CODE = """
+import json
+
+from transformers import PreTrainedTokenizer
+
+
+class CharTokenizer(PreTrainedTokenizer):
+    vocab_files_names = {"vocab_file": "tiktoken.model"}
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, vocab_file, **kwargs):
+        with open(vocab_file, encoding="utf-8") as file:
+            self.chars = json.load(file)
+        self.ids = {char: index for index, char in enumerate(self.chars)}
+        super().__init__(**kwargs)
+
+    @property
+    def vocab_size(self):
+        return len(self.chars)
+
+    def get_vocab(self):
+        return dict(self.ids) | self.added_tokens_encoder
+
+    def _tokenize(self, text):
+        return list(text)
+
+    def _convert_token_to_id(self, token):
+        return self.ids[token]
+
+    def _convert_id_to_token(self, index):
+        return self.chars[index]
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(tokens)
+"""
+
+
+def _code_tokenizer(directory):
+    directory.mkdir()
+    (directory / "tiktoken.model").write_text(json.dumps(list("0123456789+-=*?\n ")))
+    (directory / "tokenization_chars.py").write_text(CHAR_TOKENIZER_CODE)
+    config = {
+        "auto_map": {"AutoTokenizer": ["tokenization_chars.CharTokenizer", None]},
+        "tokenizer_class": "CharTokenizer",
+        "eos_token": "<eos>",
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_tokenizer_of_its_own_code_runs_only_when_trusted(tmp_path):
+    directory = _code_tokenizer(tmp_path / "moonlight-like")
+    message = (
+        r"the tokenizer is code of its own \(tokenization_chars.py, named by "
+        r"tokenizer_config.json's auto_map\); set model.trust_remote_code=true"
+    )
+    with pytest.raises(ValueError, match=message):
+        PromptCodec(directory, max_prompt_tokens=40)
+    codec = PromptCodec(directory, max_prompt_tokens=40, trust_remote_code=True)
+    ids = codec.encode_prompt("12+3=?")
+    assert ids == [1, 2, 10, 3, 12, 14]
+    assert codec.decode(ids) == "12+3=?"
+    assert codec.stop_token_ids == (17,)  # <eos>, added after the 17 characters
+    assert codec.newline_token_ids == [15]
+    # its code and vocabulary travel with the weights (conversion, export)
+    names = {path.name for path in asset_files(directory)}
+    assert {"tiktoken.model", "tokenization_chars.py", "tokenizer_config.json"} <= names

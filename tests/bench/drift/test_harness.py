@@ -252,7 +252,7 @@ def test_the_first_grid_file_plans_the_checked_in_report():
     assert {run.arm for run in grid.runs if run.cell == "base"} == set(grid.arms)
     deep = [r for r in grid.runs if r.cell == "layers=8"]
     assert all(r.shape == {"layers": 8, "experts": 8, "topk": 2} for r in deep)
-    assert len(grid.runs) == 84  # docs/benchmarks/drift/report.md
+    assert len(grid.runs) == 84  # docs/benchmarks/drift-tiny/report.md
 
 
 def test_cluster_example_grid_and_recipe_are_valid():
@@ -266,6 +266,13 @@ def test_cluster_example_grid_and_recipe_are_valid():
     grid = load_grid(str(RECIPE), str(examples / "qwen3_30b_a3b_drift.yaml"))
     assert len(grid.runs) == 84
     assert grid.launcher[0] == "srun"
+    # Moonlight-16B-A3B: the sigmoid router's grid, on one node, its bias updates kept in RL
+    recipe = load_config(Recipe, examples / "moonlight_16b_a3b_gspo.yaml")
+    assert recipe.model.trust_remote_code and recipe.parallel.ep == 8
+    moonlight = load_grid(str(RECIPE), str(examples / "moonlight_16b_a3b_drift.yaml"))
+    assert [run.arm for run in moonlight.runs] == [run.arm for run in grid.runs]
+    assert {run.recipe.model.router_bias_update_rate for run in moonlight.runs} == {1e-3}
+    assert "--nnodes=1" in moonlight.launcher
 
 
 def test_sigterm_stops_the_runs_in_flight(tmp_path):
