@@ -137,6 +137,22 @@ def test_every_shipped_recipe_loads_and_validates():
             ["algo.mismatch=mis", "algo.mismatch_lower=1.2"],
             r"algo\.mismatch_lower, algo\.mismatch_upper: mis .* 0 <= lower < 1 < upper",
         ),
+        (
+            ["algo.mismatch=mis", "algo.mismatch_mask_level=geometric"],
+            r"algo\.mismatch_mask_level: only tis takes a mask, not algo\.mismatch=mis",
+        ),
+        (
+            ["algo.mismatch=tis", "algo.mismatch_mask_upper=3"],
+            r"algo\.mismatch_mask_upper: only used with a mask \(algo\.mismatch_mask_level\)",
+        ),
+        (
+            [
+                "algo.mismatch=tis",
+                "algo.mismatch_mask_level=geometric",
+                "algo.mismatch_mask_lower=1",
+            ],
+            r"algo\.mismatch_mask_lower, algo\.mismatch_mask_upper: mis .* 0 <= lower < 1",
+        ),
         (["algo.dual_clip=1"], r"algo\.dual_clip: expected 0 \(off\) or > 1, got 1"),
         (["algo.loss=cispo", "algo.dual_clip=3"], r"algo\.dual_clip: loss 'cispo' has no"),
         (["algo.entropy_coef=-0.01"], r"algo\.entropy_coef: expected >= 0"),

@@ -21,6 +21,11 @@ carries rho_i = exp(sum_t (old_t - engine_t)), the ratio of the whole sequence's
 at the geometric level exp(mean_t (old_t - engine_t)), its length-normalised form (as GSPO's
 ratio is). Ratios are formed in log space and compared there, so no product overflows. When the
 engine and the trainer agree exactly every weight is 1.
+
+TIS may carry an MIS band as a mask (`MismatchCorrection.masked_by`): each token's weight is
+min(rho_t, C), zeroed where the band's ratio (at its own level) leaves [lower, upper]. Token TIS
+with a geometric band is the recipe that kept the public Qwen3-30B-A3B runs of the mismatch
+studies from collapsing.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ class MismatchCorrection:
     level: str
     lower: float | None
     upper: float
+    mask: MismatchCorrection | None = None
+    """tis only: an mis band whose outside zeroes the weight (`masked_by`); None: none."""
 
     @classmethod
     def of(
@@ -118,6 +125,23 @@ class MismatchCorrection:
             upper=float(upper),
         )
 
+    def masked_by(
+        self,
+        level: str,
+        *,
+        lower: float | None = None,
+        upper: float | None = None,
+        key: str = "mismatch_mask",
+    ) -> MismatchCorrection:
+        """This TIS correction with an mis band at `level` (None bounds: mis's defaults) as a
+        mask; errors name `key`'s fields (`mismatch_mask_level`, `_lower`, `_upper`)."""
+        if MISMATCH_CORRECTIONS[self.mode].masks:
+            raise ValueError(
+                f"{key}_level: only tis takes a mask ({self.mode} masks by itself already)"
+            )
+        band = MismatchCorrection.of("mis", level=level, lower=lower, upper=upper, key=key)
+        return MismatchCorrection(self.mode, self.level, self.lower, self.upper, mask=band)
+
 
 def _finite_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
@@ -127,7 +151,8 @@ class MismatchWeights(NamedTuple):
     """All `[B, T]`, 0 / False off the mask."""
 
     weights: Tensor  # detached weight of each token's objective
-    changed: Tensor  # bool: truncated (tis) or masked (mis, icepop)
+    truncated: Tensor  # bool: capped at C (tis)
+    masked: Tensor  # bool: zeroed, outside the band (mis, icepop, tis's mask)
 
 
 @torch.no_grad()
@@ -148,17 +173,22 @@ def mismatch_weights(
     elif correction.level == "geometric":
         log_rho = sequence_mean(log_rho, mask, shard_sum)[:, None].expand_as(log_rho)
     log_upper = math.log(correction.upper)
+    nothing = torch.zeros_like(mask)
     if MISMATCH_CORRECTIONS[correction.mode].masks:
         log_lower = -math.inf if correction.lower == 0 else math.log(correction.lower)
-        changed = (log_rho < log_lower) | (log_rho > log_upper)
-        weights = torch.where(
-            changed, torch.zeros_like(log_rho), torch.exp(log_rho.clamp(max=log_upper))
-        )
+        truncated, masked = nothing, (log_rho < log_lower) | (log_rho > log_upper)
     else:
-        changed = log_rho > log_upper
-        weights = torch.exp(log_rho.clamp(max=log_upper))
-    changed = changed & mask
-    return MismatchWeights(torch.where(mask, weights, torch.zeros_like(weights)), changed)
+        truncated = log_rho > log_upper
+        masked = nothing
+        if correction.mask is not None:
+            band = mismatch_weights(old_logp, engine_logp, mask, correction.mask, shard_sum)
+            masked = band.masked
+    weights = torch.where(
+        masked, torch.zeros_like(log_rho), torch.exp(log_rho.clamp(max=log_upper))
+    )
+    return MismatchWeights(
+        torch.where(mask, weights, torch.zeros_like(weights)), truncated & mask, masked & mask
+    )
 
 
 # What mismatch_metrics and engine_gap_metrics report (megatron_rl.algo.reductions).
@@ -176,20 +206,29 @@ MISMATCH_METRICS: MetricDeclarations = {
 
 
 @torch.no_grad()
-def mismatch_metrics(corrected: MismatchWeights, mask: Tensor, mode: str) -> dict[str, Tensor]:
+def mismatch_metrics(
+    corrected: MismatchWeights, mask: Tensor, correction: MismatchCorrection
+) -> dict[str, Tensor]:
     """The weights' mean and max over response tokens, and the share of tokens and of
-    sequences (any token) that the correction truncated (tis) or masked (mis, icepop)."""
-    what = "masked" if MISMATCH_CORRECTIONS[mode].masks else "truncated"
+    sequences (any token) that the correction truncated (tis) and masked (mis, icepop, tis's
+    mask)."""
+    masks = MISMATCH_CORRECTIONS[correction.mode].masks
+    kinds = [] if masks else [("truncated", corrected.truncated)]
+    if masks or correction.mask is not None:
+        kinds.append(("masked", corrected.masked))
     has_tokens = mask.any(dim=1)
     num_tokens = mask.sum()
     weights = corrected.weights
-    return {
+    metrics = {
         "mismatch/weight_mean": weights.sum() / num_tokens,
         "mismatch/weight_max": torch.where(mask, weights, -math.inf).max(),
-        f"mismatch/{what}_token_frac": corrected.changed.sum() / num_tokens,
-        f"mismatch/{what}_seq_frac": (corrected.changed.any(dim=1) & has_tokens).sum()
-        / has_tokens.sum(),
     }
+    for what, changed in kinds:
+        metrics[f"mismatch/{what}_token_frac"] = changed.sum() / num_tokens
+        metrics[f"mismatch/{what}_seq_frac"] = (changed.any(dim=1) & has_tokens).sum() / (
+            has_tokens.sum()
+        )
+    return metrics
 
 
 @torch.no_grad()

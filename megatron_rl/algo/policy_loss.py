@@ -205,7 +205,7 @@ def _corrected_surrogate(
         batch.old_logp, batch.engine_logp, batch.mask, options.mismatch, batch.shard_sum
     )
     surrogate = (weights * corrected.weights * result.objective).sum()
-    return surrogate, mismatch_metrics(corrected, batch.mask, options.mismatch.mode)
+    return surrogate, mismatch_metrics(corrected, batch.mask, options.mismatch)
 
 
 def _with_entropy_and_kl(

@@ -74,6 +74,14 @@ class AlgoConfig:
     mismatch_upper: float | None = None
     """tis: the cap C (>= 1); mis, icepop: the band's upper end (> 1); None: the correction's
     default (tis 2, mis 2, icepop 5)."""
+    mismatch_mask_level: str | None = None
+    """tis only: an mis band at this level (token, sequence or geometric) as a mask on the TIS
+    weights: zero where its ratio leaves [mismatch_mask_lower, mismatch_mask_upper] (token TIS
+    with a geometric band: the mismatch studies' recipe); None: no mask."""
+    mismatch_mask_lower: float | None = None
+    """The mask's band's lower end (0 <= lower < 1); None: mis's default, 0."""
+    mismatch_mask_upper: float | None = None
+    """The mask's band's upper end (> 1); None: mis's default, 2."""
     dual_clip: float | None = None
     """PPO dual-clip's c (> 1): for a negative advantage the objective is bounded by c * A;
     None: the loss's default (3 for every loss that has it; cispo has none); 0: off."""
@@ -131,19 +139,36 @@ class AlgoConfig:
         )
 
     def correction(self) -> MismatchCorrection | None:
-        """The mismatch correction the loss applies (tis, mis, icepop), or None."""
+        """The mismatch correction the loss applies (tis, mis, icepop; tis perhaps masked by an
+        mis band), or None."""
         if self.mismatch not in MISMATCH_CORRECTIONS:
             return None
         try:
-            return MismatchCorrection.of(
+            correction = MismatchCorrection.of(
                 self.mismatch,
                 level=self.mismatch_level,
                 lower=self.mismatch_lower,
                 upper=self.mismatch_upper,
                 key="algo.mismatch",
             )
+            if self.mismatch_mask_level is None:
+                return correction
+            return correction.masked_by(
+                self.mismatch_mask_level,
+                lower=self.mismatch_mask_lower,
+                upper=self.mismatch_mask_upper,
+                key="algo.mismatch_mask",
+            )
         except ValueError as error:
             raise ConfigError(str(error)) from None
+
+    @property
+    def mismatch_name(self) -> str:
+        """The correction as the drift report names it: algo.mismatch, with the mask's level
+        when there is one (`tis+mis_geometric`)."""
+        if self.mismatch_mask_level is None:
+            return self.mismatch
+        return f"{self.mismatch}+mis_{self.mismatch_mask_level}"
 
     def _validate_mismatch(self) -> None:
         if self.mismatch not in self.MISMATCH_MODES:
@@ -158,6 +183,18 @@ class AlgoConfig:
                         f"algo.{name}: only used by a correction (algo.mismatch=tis, mis or "
                         f"icepop), not by algo.mismatch={self.mismatch}"
                     )
+        if self.mismatch_mask_level is None:
+            for name in ("mismatch_mask_lower", "mismatch_mask_upper"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"algo.{name}: only used with a mask (algo.mismatch_mask_level), "
+                        "which is unset"
+                    )
+        elif self.mismatch != "tis":
+            raise ConfigError(
+                f"algo.mismatch_mask_level: only tis takes a mask, not algo.mismatch="
+                f"{self.mismatch}"
+            )
         self.correction()
 
     def _dual_clip_option(self) -> dict[str, Any]:

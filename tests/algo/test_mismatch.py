@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_rl.algo import MismatchCorrection, compute_policy_loss, policy_loss_names
-from megatron_rl.algo.mismatch import mismatch_weights
+from megatron_rl.algo.mismatch import mismatch_metrics, mismatch_weights
 from tests.algo import reference
 from tests.algo.batches import fresh_logp, random_batch
 
@@ -211,7 +211,8 @@ def test_sequence_ratios_of_long_rows_do_not_overflow():
             old, engine, mask, MismatchCorrection.of(mode, level="sequence")
         )
         assert torch.isfinite(corrected.weights).all()
-        assert bool(corrected.changed.all())
+        changed = corrected.masked if mode == "mis" else corrected.truncated
+        assert bool(changed.all())
     tis = mismatch_weights(old, engine, mask, MismatchCorrection.of("tis", level="sequence"))
     assert float(tis.weights.max()) == pytest.approx(2.0)
 
@@ -303,3 +304,64 @@ def test_a_token_level_correction_scales_each_tokens_gradient_alone(name, mode, 
         masked = batch.mask & (weights == 0)
         assert bool((masked & (plain != 0)).any())  # those tokens had a gradient to lose
         assert bool((corrected[masked] == 0).all())
+
+
+def test_tis_masked_by_a_geometric_band_by_hand():
+    """Token TIS (cap 2) zeroed on whole rows whose geometric-mean ratio leaves [0.5, 1.5]."""
+    correction = MismatchCorrection.of("tis").masked_by("geometric", lower=0.5, upper=1.5)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    engine = torch.zeros(2, 3, dtype=torch.float64)
+    # row 0: log rho 1.0, -0.5, -0.2 (mean 0.1: kept); row 1: 0.6, 0.4 (mean 0.5: e^0.5 > 1.5)
+    old = torch.tensor([[1.0, -0.5, -0.2], [0.6, 0.4, 9.0]], dtype=torch.float64)
+    corrected = mismatch_weights(old, engine, mask, correction)
+    expected = torch.tensor(
+        [[2.0, math.exp(-0.5), math.exp(-0.2)], [0.0, 0.0, 0.0]], dtype=torch.float64
+    )
+    torch.testing.assert_close(corrected.weights, expected, rtol=0, atol=1e-15)
+    assert corrected.truncated.tolist() == [[True, False, False], [False, False, False]]
+    assert corrected.masked.tolist() == [[False, False, False], [True, True, False]]
+    metrics = mismatch_metrics(corrected, mask, correction)
+    assert float(metrics["mismatch/truncated_token_frac"]) == pytest.approx(1 / 5)
+    assert float(metrics["mismatch/masked_token_frac"]) == pytest.approx(2 / 5)
+    assert (
+        float(metrics["mismatch/masked_seq_frac"])
+        == float(metrics["mismatch/truncated_seq_frac"])
+        == 0.5
+    )
+    # without the band it is plain token TIS
+    plain = mismatch_weights(old, engine, mask, MismatchCorrection.of("tis"))
+    assert float(plain.weights[1, 0]) == pytest.approx(math.exp(0.6))
+
+
+def test_only_tis_takes_a_mask():
+    with pytest.raises(ValueError, match=r"mismatch_mask_level: only tis takes a mask"):
+        MismatchCorrection.of("mis").masked_by("geometric")
+    with pytest.raises(ValueError, match=r"mismatch_mask_level: mis works at level token"):
+        MismatchCorrection.of("tis").masked_by("row")
+
+
+def test_a_row_the_band_masks_carries_no_gradient_and_the_rest_is_plain_tis():
+    batch = random_batch(6, 9, seed=7, drift=0.05)
+    engine = batch.old_logp.clone()
+    engine[0] -= 3.0  # row 0's geometric ratio e^3 leaves [0, 2]
+    combined = MismatchCorrection.of("tis").masked_by("geometric")
+    grads = {}
+    for name, correction in (("combined", combined), ("tis", MismatchCorrection.of("tis"))):
+        logp = fresh_logp(batch)
+        loss, metrics = compute_policy_loss(
+            "grpo",
+            logp,
+            batch.old_logp,
+            batch.advantages,
+            batch.mask,
+            clip_low=0.2,
+            clip_high=0.2,
+            engine_logp=engine,
+            mismatch=correction,
+        )
+        loss.backward()
+        grads[name] = logp.grad
+    assert bool((grads["combined"][0] == 0).all()) and bool((grads["tis"][0] != 0).any())
+    torch.testing.assert_close(grads["combined"][1:], grads["tis"][1:], rtol=0, atol=0)
+    rows = int(batch.mask.any(dim=1).sum())
+    assert float(metrics["mismatch/truncated_seq_frac"]) == pytest.approx(1 / rows)

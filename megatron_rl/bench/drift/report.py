@@ -66,7 +66,15 @@ _TABLE = (
     ("step_s", "step s", "{:.2f}"),
 )
 # the arms of the mismatch-by-precision plot: no correction, replay, sequence ratio, corrections
-_MISMATCH_ARMS = ("grpo", "grpo_r2", "grpo_r3", "gspo", "grpo_tis", "grpo_mis_geometric")
+_MISMATCH_ARMS = (
+    "grpo",
+    "grpo_r2",
+    "grpo_r3",
+    "gspo",
+    "grpo_tis",
+    "grpo_mis_geometric",
+    "grpo_tis_mis_geometric",
+)
 _MAX_COLLAPSED_PLOTS = 6
 
 

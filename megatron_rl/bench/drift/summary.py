@@ -187,7 +187,7 @@ def summarize_run(
         "seed": run.seed,
         "loss": recipe.algo.loss,
         "routing_replay": recipe.algo.routing_replay.value,
-        "mismatch": recipe.algo.mismatch,
+        "mismatch": recipe.algo.mismatch_name,
         "updates_per_batch": recipe.algo.updates_per_batch,
         "lr": recipe.optim.lr,
         "freeze_router": recipe.optim.freeze_router,

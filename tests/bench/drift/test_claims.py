@@ -19,6 +19,7 @@ ARMS = {
     "grpo_frozen_router": ("grpo", "none", "none", True),
     "grpo_tis": ("grpo", "none", "tis", False),
     "grpo_mis_geometric": ("grpo", "none", "mis", False),
+    "grpo_tis_mis_geometric": ("grpo", "none", "tis+mis_geometric", False),
 }
 
 
@@ -393,8 +394,13 @@ def test_float8_engine_reaches_the_moe_mismatch_regime():
 
 
 def test_corrections_are_as_stable_as_r3_with_a_float8_engine():
-    rows = arms("grpo_tis", "grpo_mis_geometric", "grpo_r3", engine_dtype="float8_emulated")
+    corrections = ("grpo_tis", "grpo_mis_geometric", "grpo_tis_mis_geometric")
+    rows = arms(*corrections, "grpo_r3", engine_dtype="float8_emulated")
     assert verdict(claims.corrections_instead_of_replay, rows) == "PASS"
+    both_collapse = change(rows, "grpo_tis_mis_geometric", collapse_events=1)
+    assert verdict(claims.corrections_instead_of_replay, both_collapse) == "FAIL"
+    no_combined = [r for r in rows if r["arm"] != "grpo_tis_mis_geometric"]
+    assert verdict(claims.corrections_instead_of_replay, no_combined) == "NOT TESTED"
     tis_collapses = change(rows, "grpo_tis", collapse_events=1)
     assert verdict(claims.corrections_instead_of_replay, tis_collapses) == "FAIL"
     mis_worse = change(rows, "grpo_mis_geometric", final_accuracy=0.4)

@@ -226,7 +226,10 @@ def test_default_grid_plans_the_papers_regime():
     assert {run.recipe.algo.updates_per_batch for run in bf16} == {1, 2, 4, 8}
     assert {run.arm for run in bf16} == {"grpo", "grpo_r2", "grpo_r3", "gspo"}
     fp8 = {run.arm for run in grid.runs if engine(run) == "float8_emulated"}
-    assert fp8 == {"grpo", "grpo_r2", "grpo_r3", "gspo", "grpo_tis", "grpo_mis_geometric"}
+    corrections = {"grpo_tis", "grpo_mis_geometric", "grpo_tis_mis_geometric"}
+    assert fp8 == {"grpo", "grpo_r2", "grpo_r3", "gspo"} | corrections
+    combined = next(r for r in grid.runs if r.arm == "grpo_tis_mis_geometric").recipe.algo
+    assert combined.correction().mask.level == "geometric" and combined.mismatch == "tis"
     # R3 and the corrections never run at the float32 engine, where they change nothing
     assert not any(
         engine(r) == "float32" and r.arm in fp8 - {"grpo", "grpo_r2", "gspo"} for r in grid.runs
@@ -238,9 +241,9 @@ def test_default_grid_plans_the_papers_regime():
     assert all(
         len({r.seed for r in grid.runs if r.cell == c}) == 3 for c in {r.cell for r in grid.runs}
     )
-    assert len(grid.runs) == 24 + 48 + 18 + 9 + 6
+    assert len(grid.runs) == 24 + 48 + 21 + 9 + 6
     quick = load_grid(str(RECIPE), QUICK_GRID)
-    assert len(quick.runs) == 21 and {run.seed for run in quick.runs} == {1}
+    assert len(quick.runs) == 22 and {run.seed for run in quick.runs} == {1}
     assert {run.recipe.run.steps for run in quick.runs} == {12}
 
 
