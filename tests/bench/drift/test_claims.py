@@ -294,6 +294,27 @@ def test_near_ties_predict_layer_drift_on_the_fine_models():
     assert verdict(claims.near_ties_predict_layer_drift, tiny) == "NOT TESTED"
 
 
+def test_near_ties_are_ranked_within_each_model():
+    # The sigmoid model: fewer near-ties on its scale, more drift; each model's layers predict.
+    qwen = tie_rows()
+    deepseek = [
+        r
+        | {
+            k: (v / 10 if k.startswith("near_tie") else v + 0.5)
+            for k, v in r.items()
+            if k.startswith(("near_tie_layer_", "update_activated_layer_"))
+        }
+        for r in tie_rows(model="fine_deepseek_e128")
+    ]
+    claim = claims.near_ties_predict_layer_drift(qwen + deepseek)
+    assert claim.verdict == "PASS", claim.evidence
+    assert "fine_qwen3_e128: Spearman 1.00" in claim.evidence
+    assert "fine_deepseek_e128: Spearman 1.00" in claim.evidence
+    one_fails = qwen + tie_rows(predicts=False, model="fine_deepseek_e128")
+    claim = claims.near_ties_predict_layer_drift(one_fails)
+    assert claim.verdict == "FAIL" and "fine_deepseek_e128: Spearman -1.00" in claim.evidence
+
+
 def test_every_collapse_needs_a_precursor():
     rows = change(arms("grpo", "grpo_r2"), "grpo", collapse_events=1, precursor="grad_norm")
     claim = claims.precursor_before_collapse(rows)
