@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_rl.bench.drift import base_models
 from megatron_rl.models.families import family_for
 from megatron_rl.rewards import ArithmeticTask
 from tests.checkpoint import convert_worker
@@ -100,3 +101,38 @@ def test_a_harness_shape_converts_both_ways_bit_exactly(name, tmp_path):
                 0.0,
                 float(torch.tensor(BIAS_RATE)),
             }
+
+
+SHIPPED = SCRIPT.parent / "drift_models"
+DEFAULT_GRID_MODELS = ("fine_qwen3_e128", "fine_deepseek_e128", "dense_control")
+
+
+@pytest.mark.timeout(300)
+# The default grid's main model every time; the other two in the extended tier.
+@pytest.mark.parametrize(
+    "name",
+    [
+        name if name == "fine_qwen3_e128" else pytest.param(name, marks=pytest.mark.extended)
+        for name in DEFAULT_GRID_MODELS
+    ],
+)
+def test_a_shipped_drift_model_is_its_shape_and_converts_bit_exactly(name, tmp_path):
+    """The default grid's base models, shipped as built: what the script's shape says, with its
+    RL balancing, used by the grid instead of a rebuild, and converting both ways bit-exactly."""
+    model = SHIPPED / name
+    made = json.loads((model / "training.json").read_text())
+    assert made["shape"] == {"name": name, **dataclasses.asdict(SHAPES[name])}
+    assert made["rl_options"] == SHAPES[name].rl_options()
+    assert base_models.model_path(tmp_path / "cache", {"shape": name}) == model
+    assert base_models.is_built(tmp_path / "cache", {"shape": name})
+    run_on_ranks(convert_worker.convert_both_ways, str(model), str(tmp_path), {}, world_size=1)
+    _assert_same_tensors(tmp_path / "hf-again", model)
+
+
+def test_a_shape_not_shipped_is_built_into_the_cache(tmp_path):
+    shape = {"shape": "fine_qwen3"}
+    assert not (SHIPPED / "fine_qwen3").exists()
+    assert base_models.model_path(tmp_path, shape) == tmp_path / "fine_qwen3"
+    assert not base_models.is_built(tmp_path, shape)
+    command = base_models.build_command(tmp_path, shape)
+    assert command[-4:] == ["--out", str(tmp_path / "fine_qwen3"), "--shape", "fine_qwen3"]

@@ -1,9 +1,12 @@
 """Base models of other shapes for the drift grid's `base_model.*` fields, built by the tiny-model
 script (examples/moe/make_tiny_model.py) and kept in a cache directory shared by every results
-directory. A model is either a named shape of the script (`base_model.shape`: `{"shape": name}`,
-the papers'-regime models with the load balancing they keep in RL) or a plain variant of the
-shipped one (`base_model.layers` / `experts` / `topk`: `{"layers": .., "experts": .., "topk": ..}`,
-built with the script's defaults, the way the shipped 4-layer model was made)."""
+directory; the default grid's models are shipped, as built, in examples/moe/drift_models/
+(`SHIPPED`), and used from there: a rebuild on another machine need not round alike, and the
+checked-in report ran on these. A model is either a named shape of the script
+(`base_model.shape`: `{"shape": name}`, the papers'-regime models with the load balancing they
+keep in RL) or a plain variant of the shipped tiny model (`base_model.layers` / `experts` /
+`topk`: `{"layers": .., "experts": .., "topk": ..}`, built with the script's defaults, the way
+the shipped 4-layer model was made)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Any
 import megatron_rl
 
 SCRIPT = Path(megatron_rl.__file__).resolve().parents[1] / "examples" / "moe" / "make_tiny_model.py"
+SHIPPED = SCRIPT.parent / "drift_models"
 VARIANT_KEYS = ("layers", "experts", "topk")
 
 
@@ -49,17 +53,23 @@ def shape_name(shape: dict[str, Any]) -> str:
 
 
 def model_path(models_dir: Path, shape: dict[str, Any]) -> Path:
-    return models_dir / shape_name(shape)
+    """Where the model of `shape` is: shipped, or in the cache `models_dir`."""
+    shipped = SHIPPED / shape_name(shape)
+    return shipped if _is_whole(shipped) else models_dir / shape_name(shape)
 
 
 def is_built(models_dir: Path, shape: dict[str, Any]) -> bool:
+    return _is_whole(model_path(models_dir, shape))
+
+
+def _is_whole(model: Path) -> bool:
     # The script renames its staging directory into place when done: a path that exists is whole.
-    return (model_path(models_dir, shape) / "config.json").is_file()
+    return (model / "config.json").is_file()
 
 
 def build_command(models_dir: Path, shape: dict[str, Any]) -> list[str]:
     """The command that builds `shape` into the cache (seed 0, the script's defaults)."""
-    command = [sys.executable, str(_script_path()), "--out", str(model_path(models_dir, shape))]
+    command = [sys.executable, str(_script_path()), "--out", str(models_dir / shape_name(shape))]
     if "shape" in shape:
         return [*command, "--shape", str(shape["shape"])]
     for key in VARIANT_KEYS:
