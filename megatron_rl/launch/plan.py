@@ -317,6 +317,12 @@ def load_model(recipe: Recipe, model_config: Path | None = None) -> MoEModelConf
     before the weights are downloaded) or from model.hf_path's config.json."""
     if model_config is not None:
         hf_config = read_config_file(model_config)
+    elif not Path(recipe.model.hf_path).is_dir():
+        raise ValueError(
+            f"model.hf_path {recipe.model.hf_path}: not a directory here; to plan before the "
+            "weights are downloaded, pass the model's config.json: --model-config FILE "
+            "(examples/moe/configs/ has the published ones)"
+        )
     else:
         hf_config = read_config(Path(recipe.model.hf_path), given_as="model.hf_path")
     return family_for(hf_config).config_from_hf(hf_config)

@@ -331,6 +331,12 @@ _PREAMBLE = """\
 @SBATCH@
 set -euo pipefail
 
+# ---- Where megatron-rl runs: the checkout it was submitted from and that checkout's Python -------
+# Rendered from the submitting shell; the job's environment overrides them
+# (sbatch --export=ALL,MEGATRON_RL_DIR=DIR,MEGATRON_RL_PYTHON=DIR/.venv/bin/python), or edit here.
+workdir=${MEGATRON_RL_DIR:-@WORKDIR@}
+python=${MEGATRON_RL_PYTHON:-@PYTHON@}
+
 # ---- Network and NCCL: edit for your cluster ----------------------------------------------------
 # The interface NCCL and gloo bootstrap on and the InfiniBand adapters NCCL uses (`ibv_devinfo`
 # lists them); unset, NCCL chooses by itself.
@@ -348,8 +354,7 @@ threads=$((SLURM_CPUS_ON_NODE / @THREADS_PER_RANK@))
 export OMP_NUM_THREADS=$((threads > 0 ? threads : 1))
 # --------------------------------------------------------------------------------------------------
 
-cd @WORKDIR@
-python=@PYTHON@
+cd "$workdir"
 log_dir=@LOG_DIR@
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 if [ "${#nodes[@]}" -ne @TOTAL_NODES@ ]; then

@@ -256,3 +256,8 @@ def test_the_command(tmp_path):
     assert split.returncode == 2 and "6 is not a multiple of 16" in split.stderr
     missing = plan("--nodes=2", f"--model-config={tmp_path / 'none.json'}")
     assert missing.returncode == 2 and "none.json: cannot be read" in missing.stderr
+    # the recipe's model is not on this machine: the message says how to plan without it
+    without = plan("--nodes=2")
+    assert without.returncode == 2
+    assert "model.hf_path /shared/models/Qwen3-30B-A3B: not a directory here" in without.stderr
+    assert "pass the model's config.json: --model-config FILE" in without.stderr

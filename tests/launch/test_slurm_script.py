@@ -178,6 +178,28 @@ def test_the_cli_refuses_before_submitting(tmp_path):
     assert earlier.returncode == 2 and "holds an earlier run" in earlier.stderr, earlier.stderr
     no_sbatch = launch(f"model.hf_path={TINY_MODEL}", "--resume")
     assert no_sbatch.returncode == 1 and "sbatch" in no_sbatch.stderr, no_sbatch.stderr
+    # overrides written after the options count as well (argparse's intermixed parsing)
+    options = ["--nodes=1", "--device=cpu", "--dry-run"]
+    overrides = [f"model.hf_path={TINY_MODEL}", "run.dir=elsewhere"]
+    after = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl.cli",
+            "launch",
+            "slurm",
+            str(TINY),
+            *options,
+            *overrides,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/nonexistent"},
+        timeout=120,
+    )
+    assert after.returncode == 0, after.stderr
+    assert f"model.hf_path={TINY_MODEL} run.dir=elsewhere" in after.stdout
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="scripts/install_slurm.sh")
@@ -186,3 +208,21 @@ def test_the_repository_scripts_pass_shellcheck(tmp_path):
     assert len(scripts) > 5
     for script in sorted(scripts):
         assert _shellcheck(script.read_text(), tmp_path) == "", script
+
+
+def test_the_checkout_and_interpreter_are_named_at_the_top_and_overridable():
+    script = _render(TINY, [], nodes=1, device="cpu")
+    top = script[: script.index("# ---- Network and NCCL")]
+    assert "workdir=${MEGATRON_RL_DIR:-/shared/work}\n" in top
+    assert "python=${MEGATRON_RL_PYTHON:-/shared/venv/bin/python}\n" in top
+    assert 'cd "$workdir"\n' in script
+    lines = [line for line in top.splitlines() if line.startswith(("workdir=", "python="))]
+    shell = "\n".join([*lines, 'echo "$workdir $python"'])
+
+    def run(env: dict[str, str]) -> str:
+        result = subprocess.run(["bash", "-c", shell], env=env, capture_output=True, text=True)
+        return result.stdout.strip()
+
+    assert run({}) == "/shared/work /shared/venv/bin/python"
+    moved = {"MEGATRON_RL_DIR": "/other/co", "MEGATRON_RL_PYTHON": "/other/co/.venv/bin/python"}
+    assert run(moved) == "/other/co /other/co/.venv/bin/python"
