@@ -177,11 +177,9 @@ def test_every_correction_is_the_identity_when_engine_and_trainer_agree(name, mo
     assert float(metrics["mismatch/weight_max"]) == 1.0
 
 
-def test_a_masked_token_carries_no_gradient_in_a_token_level_loss():
-    batch = random_batch(6, 9, seed=5, drift=0.05)
-    first = tuple(batch.mask.nonzero()[0].tolist())
-    engine = batch.old_logp.clone()
-    engine[first] -= 3.0  # rho = e^3 > 5: outside IcePop's band
+def _grpo_gradient(batch, engine, correction):
+    """GRPO's loss (clip 0.2) on `batch` with `correction` against `engine`'s log-probs: the
+    gradient of the fresh log-probs and the metrics."""
     logp = fresh_logp(batch)
     loss, metrics = compute_policy_loss(
         "grpo",
@@ -192,13 +190,22 @@ def test_a_masked_token_carries_no_gradient_in_a_token_level_loss():
         clip_low=0.2,
         clip_high=0.2,
         engine_logp=engine,
-        mismatch=MismatchCorrection.of("icepop"),
+        mismatch=correction,
     )
     loss.backward()
-    assert float(logp.grad[first]) == 0.0
+    return logp.grad, metrics
+
+
+def test_a_masked_token_carries_no_gradient_in_a_token_level_loss():
+    batch = random_batch(6, 9, seed=5, drift=0.05)
+    first = tuple(batch.mask.nonzero()[0].tolist())
+    engine = batch.old_logp.clone()
+    engine[first] -= 3.0  # rho = e^3 > 5: outside IcePop's band
+    grad, metrics = _grpo_gradient(batch, engine, MismatchCorrection.of("icepop"))
+    assert float(grad[first]) == 0.0
     others = batch.mask.clone()
     others[first] = False
-    assert bool((logp.grad[others] != 0).all())
+    assert bool((grad[others] != 0).all())
     assert float(metrics["mismatch/masked_token_frac"]) == pytest.approx(1 / int(batch.mask.sum()))
 
 
@@ -345,22 +352,8 @@ def test_a_row_the_band_masks_carries_no_gradient_and_the_rest_is_plain_tis():
     engine = batch.old_logp.clone()
     engine[0] -= 3.0  # row 0's geometric ratio e^3 leaves [0, 2]
     combined = MismatchCorrection.of("tis").masked_by("geometric")
-    grads = {}
-    for name, correction in (("combined", combined), ("tis", MismatchCorrection.of("tis"))):
-        logp = fresh_logp(batch)
-        loss, metrics = compute_policy_loss(
-            "grpo",
-            logp,
-            batch.old_logp,
-            batch.advantages,
-            batch.mask,
-            clip_low=0.2,
-            clip_high=0.2,
-            engine_logp=engine,
-            mismatch=correction,
-        )
-        loss.backward()
-        grads[name] = logp.grad
+    grads = {"combined": _grpo_gradient(batch, engine, combined)[0]}
+    grads["tis"], metrics = _grpo_gradient(batch, engine, MismatchCorrection.of("tis"))
     assert bool((grads["combined"][0] == 0).all()) and bool((grads["tis"][0] != 0).any())
     torch.testing.assert_close(grads["combined"][1:], grads["tis"][1:], rtol=0, atol=0)
     rows = int(batch.mask.any(dim=1).sum())

@@ -144,7 +144,7 @@ def test_the_cli_refuses_before_submitting(tmp_path):
     """A missing model and an earlier run's directory are refused at submission (sbatch is not
     reached: there is none on the path)."""
 
-    def launch(*extra: str) -> subprocess.CompletedProcess:
+    def launch(*extra: str, after: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
         return subprocess.run(
             [
                 sys.executable,
@@ -157,6 +157,7 @@ def test_the_cli_refuses_before_submitting(tmp_path):
                 "--nodes=1",
                 "--gpus-per-node=2",
                 "--device=cpu",
+                *after,
             ],
             cwd=tmp_path,
             capture_output=True,
@@ -179,25 +180,7 @@ def test_the_cli_refuses_before_submitting(tmp_path):
     no_sbatch = launch(f"model.hf_path={TINY_MODEL}", "--resume")
     assert no_sbatch.returncode == 1 and "sbatch" in no_sbatch.stderr, no_sbatch.stderr
     # overrides written after the options count as well (argparse's intermixed parsing)
-    options = ["--nodes=1", "--device=cpu", "--dry-run"]
-    overrides = [f"model.hf_path={TINY_MODEL}", "run.dir=elsewhere"]
-    after = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_rl.cli",
-            "launch",
-            "slurm",
-            str(TINY),
-            *options,
-            *overrides,
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={"PATH": "/nonexistent"},
-        timeout=120,
-    )
+    after = launch(after=("--dry-run", f"model.hf_path={TINY_MODEL}", "run.dir=elsewhere"))
     assert after.returncode == 0, after.stderr
     assert f"model.hf_path={TINY_MODEL} run.dir=elsewhere" in after.stdout
 
