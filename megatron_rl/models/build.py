@@ -16,11 +16,13 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_rl.models.config import Dispatcher, MoEModelConfig
 from megatron_rl.models.grouped_experts import GroupedSequentialMLP
+from megatron_rl.models.router import PaddingMaskedTopKRouter
 from megatron_rl.parallel.dims import ParallelDims
 
 
@@ -177,14 +179,18 @@ def transformer_config(
 def block_spec(config: TransformerConfig, *, use_te: bool) -> TransformerBlockSubmodules:
     """The layers of this pipeline stage, dense or MoE as `config.moe_layer_freq` says: TE modules
     on GPU when available, megatron-core's torch ones else, with the routed experts in grouped
-    GEMMs instead of a loop (`megatron_rl.models.grouped_experts`)."""
+    GEMMs instead of a loop (`megatron_rl.models.grouped_experts`) and routers that leave
+    padding out of their expert-bias counts (`megatron_rl.models.router`)."""
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization="RMSNorm"
     )
     for layer in spec.layer_specs:
-        experts = getattr(layer.submodules.mlp.submodules, "experts", None)
+        moe = layer.submodules.mlp.submodules
+        experts = getattr(moe, "experts", None)
         if experts is not None and experts.module is SequentialMLP:
             experts.module = GroupedSequentialMLP
+        if getattr(moe, "router", None) is TopKRouter:
+            moe.router = PaddingMaskedTopKRouter
     return spec
 
 

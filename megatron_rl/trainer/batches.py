@@ -55,6 +55,12 @@ class RolloutBatch:
     def num_rows(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def padding_mask(self) -> Tensor:
+        """`[B, S]` bool, true at the padding after each row's prompt + response."""
+        lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in self.samples])
+        return torch.arange(self.tokens.shape[1]) >= lengths[:, None]
+
     def training_rows(self) -> list[int]:
         """The rows with loss tokens (a filtered response's row has none)."""
         return self.loss_mask.any(dim=1).nonzero().flatten().tolist()
@@ -139,15 +145,19 @@ def micro_batches(
     count = math.ceil(per_rank / micro_batch_size)
     size = math.ceil(per_rank / count)  # as few empty rows as the count allows
     share += [-1] * (count * size - len(share))
+    padding = batch.padding_mask
     result = []
     for start in range(0, len(share), size):
         chunk = share[start : start + size]
-        result.append(_micro_batch(batch, chunk, engine_routing))
+        result.append(_micro_batch(batch, chunk, padding, engine_routing))
     return result
 
 
 def _micro_batch(
-    batch: RolloutBatch, chunk: list[int], engine_routing: EngineRouting | None
+    batch: RolloutBatch,
+    chunk: list[int],
+    padding: Tensor,
+    engine_routing: EngineRouting | None,
 ) -> PolicyMicroBatch:
     real = torch.tensor([max(row, 0) for row in chunk])
     empty = torch.tensor([row < 0 for row in chunk])
@@ -159,6 +169,7 @@ def _micro_batch(
         engine_logp=batch.engine_logp[real],
         segment_ids=torch.where(empty[:, None], -1, batch.segment_ids[real]),
         row_ids=torch.tensor(chunk),
+        padding_mask=padding[real] | empty[:, None],
         routing=None
         if engine_routing is None
         else _replay_targets(batch, chunk, tokens.shape, engine_routing),

@@ -43,6 +43,9 @@ class PolicyMicroBatch:
         cu_seqlens: `[N + 1]` offsets of the packed sequences, or None when padded.
         routing: per MoE layer of this rank's stage, the `[tokens, topk]` experts to replay
             (R2: recorded by the old-policy pass; R3: from the rollout engine).
+        padding_mask: like tokens, bool, true at padding: the positions after a sequence's end
+            and every position of a filler row; None when there is none. The routers leave
+            padding out of their load balancing (`router_padding`).
 
     The packed (THD) form is built and checked by the tests but not by training yet: the
     trainer pads (see `megatron_rl.parallel`, paths only tests take).
@@ -59,6 +62,7 @@ class PolicyMicroBatch:
     engine_logp: Tensor | None = None
     ref_logp: Tensor | None = None
     row_ids: Tensor | None = None
+    padding_mask: Tensor | None = None
 
     def to(self, device: torch.device) -> PolicyMicroBatch:
         """This micro-batch with every tensor on `device`; itself when they are already there."""
@@ -84,6 +88,22 @@ class PolicyMicroBatch:
         return PolicyMicroBatch(
             **{item.name: cut(getattr(self, item.name)) for item in fields(self)}
         )
+
+    def router_padding(self) -> Tensor | None:
+        """The positions the routers leave out of the load-balancing loss and the expert-bias
+        counts (megatron-core's `padding_mask`, like tokens): `padding_mask`, or None when
+        nothing is padding or everything is. A micro-batch of filler rows alone balances over
+        its tokens (copies of a real sequence): megatron-core's switch loss over no token is
+        0 / 0."""
+        padding = self.padding_mask
+        if padding is None or not bool(padding.any()) or bool(padding.all()):
+            return None
+        return padding
+
+    def router_token_count(self) -> int:
+        """The tokens of this micro-batch the routers balance over (see `router_padding`)."""
+        padding = self.router_padding()
+        return self.tokens.numel() - (0 if padding is None else int(padding.sum()))
 
     def targets(self) -> Tensor:
         """The next token at each position (a sequence's last position repeats its own token)."""

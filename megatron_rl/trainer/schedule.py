@@ -84,11 +84,32 @@ def _denominator(loss_mask: Tensor, spec: PolicyLossSpec) -> Tensor:
     )
 
 
-def _router_tokens(micro_batch: PolicyMicroBatch, model: torch.nn.Module) -> int:
-    """Tokens each router of this rank sees: the sequence-parallel slice of the micro-batch."""
+def _sequence_split(model: torch.nn.Module) -> int:
+    """The ranks that share each sequence's tokens at the routers (sequence and context
+    parallelism): each router of this rank sees 1 / this of a micro-batch's tokens."""
     config = model.config
     split = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    return micro_batch.tokens.numel() // (split * config.context_parallel_size)
+    return split * config.context_parallel_size
+
+
+def _router_tokens(micro_batch: PolicyMicroBatch, model: torch.nn.Module) -> int:
+    """Tokens each router of this rank sees: the sequence-parallel slice of the micro-batch."""
+    return micro_batch.tokens.numel() // _sequence_split(model)
+
+
+def _router_padding(micro_batch: PolicyMicroBatch, model: torch.nn.Module) -> Tensor | None:
+    """The `padding_mask` for the model's forward (`PolicyMicroBatch.router_padding`), `[b, S]`
+    on the first pipeline stage, which scatters it for sequence parallelism itself. Later
+    stages get this rank's sequence-parallel share `[b, S / tp]`: megatron-core 0.16.1 hands
+    their routers the mask as given (`GPTModel._preprocess` scatters it on the first stage
+    only)."""
+    padding = micro_batch.router_padding()
+    config = model.config
+    if padding is None or parallel_state.is_pipeline_first_stage() or not config.sequence_parallel:
+        return padding
+    share = padding.shape[1] // config.tensor_model_parallel_size
+    start = parallel_state.get_tensor_model_parallel_rank() * share
+    return padding[:, start : start + share]
 
 
 def _forward_step(
@@ -117,6 +138,7 @@ def _forward_step(
         micro_batch.position_ids(),
         attention_mask=None,
         packed_seq_params=micro_batch.packed_seq_params(),
+        padding_mask=_router_padding(micro_batch, model),
     )
     if replay is not None:
         if recorded is not None:
@@ -148,8 +170,8 @@ def policy_forward_backward(
     `main_grad`, already divided by the global denominator (with the distributed optimizer, fully
     reduced only on this rank's shard); the optimizer step is the caller's.
     With `replay`, each micro-batch's `routing` is forced. A model built with a load-balancing
-    loss (`moe_aux_loss_coeff` c > 0) adds c times the loss averaged over all the update's
-    micro-batches (`_aux_loss_weight`).
+    loss (`moe_aux_loss_coeff` c > 0) adds c times each micro-batch's switch loss over its
+    non-padding tokens, weighted by their share of the update's (`_aux_loss_weight`).
     """
     with _aux_loss_weight(model, micro_batches, spec):
         results = _run_schedule(
@@ -167,19 +189,26 @@ def _aux_loss_weight(
     model: torch.nn.Module, micro_batches: list[PolicyMicroBatch], spec: PolicyLossSpec
 ) -> Iterator[None]:
     """Within it, the routers weigh their load-balancing loss so that the update's objective is
-    the policy loss + c x (the switch loss averaged over the update's micro-batches, all DP
-    ranks), c being the coefficient the model was built with, whatever the loss denominator.
+    the policy loss + c x sum_i (n_i / N) x L_i, whatever the loss denominator: L_i the switch
+    loss of micro-batch i over its n_i non-padding tokens (`router_token_count`), N the sum of
+    the n_i over the update's micro-batches and DP ranks, c the coefficient the model was built
+    with. Every token the routers balance weighs the same; micro-batches alike in padding give
+    the mean of their switch losses. Padding stays out (`router_padding`): on a right-padded
+    batch it is tokens the model never trains on, copies of the pad token's embedding (which a
+    model trained with transformers keeps at zero, where the first layer's RMSNorm multiplies
+    its gradient by 1 / sqrt(eps)).
 
-    With `calculate_per_token_loss`, megatron-core 0.16.1 backs the aux loss of a micro-batch
-    with gradient coeff x T (`TopKRouter.attach_and_log_load_balancing_loss`, router.py:466:
-    the loss times the T tokens the router saw; `MoEAuxLossAutoScaler`'s scale is 1, set by
-    `forward_step_calc_loss` after every forward) and `finalize_model_grads` then divides every
-    gradient by the global denominator D (tokens or sequences, `_denominator`). That is c / M
-    per micro-batch only when D = M x T. The routers read the coefficient from the shared
-    TransformerConfig at each forward (and each recomputed one), so for the schedule it is set
-    to c x D / (M x T) and restored after: the D, M and T of the whole update are known before
-    it starts and the same for every micro-batch. (The autoscaler's scale, read in each
-    backward, is no place for it: the schedule sets it to 1 after every forward.)
+    With `calculate_per_token_loss`, megatron-core 0.16.1 backs micro-batch i's aux loss with
+    gradient coeff x n_i / s (`TopKRouter.attach_and_log_load_balancing_loss`: the loss times
+    the non-padding tokens this rank's router saw, s ranks sharing each sequence,
+    `_sequence_split`; `MoEAuxLossAutoScaler`'s scale is 1, set by `forward_step_calc_loss`
+    after every forward) and `finalize_model_grads` then divides every gradient by the global
+    denominator D (tokens or sequences, `_denominator`). The routers read the coefficient from
+    the shared TransformerConfig at each forward (and each recomputed one), so for the schedule
+    it is set to c x D x s / N and restored after: D and N are known before the update starts,
+    and the value is the same for every micro-batch, as recomputation under 1F1B needs. (The
+    autoscaler's scale, read in each backward, is no place for it: the schedule sets it to 1
+    after every forward.) With sequence parallelism the ranks' shares of n_i are taken equal.
     D = 0 (no loss token anywhere): megatron-core does not divide, so D counts as 1.
     """
     config = model.config
@@ -188,16 +217,17 @@ def _aux_loss_weight(
         yield
         return
     totals = torch.tensor(
-        [sum(_loss_func_denominator(mb, spec) for mb in micro_batches), len(micro_batches)],
+        [
+            sum(_loss_func_denominator(mb, spec) for mb in micro_batches),
+            sum(mb.router_token_count() for mb in micro_batches),
+        ],
         dtype=torch.float64,
     )
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) > 1:
         totals = host_all_reduce(totals, group=group)
-    denominator, count = float(totals[0]) or 1.0, float(totals[1])
-    config.moe_aux_loss_coeff = (
-        coeff * denominator / (count * _router_tokens(micro_batches[0], model))
-    )
+    denominator, tokens = float(totals[0]) or 1.0, float(totals[1])
+    config.moe_aux_loss_coeff = coeff * denominator * _sequence_split(model) / tokens
     try:
         yield
     finally:

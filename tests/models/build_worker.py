@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_rl.algo import PolicyLossSpec
 from megatron_rl.models.build import build_gpt_moe
@@ -47,4 +48,43 @@ def build_and_step(launch: LaunchEnv, config: MoEModelConfig) -> dict:
         "params_changed": sorted(changed),
         "params_with_grad": sorted(with_grad),
         "params_total": len(before),
+    }
+
+
+def expert_bias_counts(launch: LaunchEnv, config: MoEModelConfig) -> dict:
+    """A router's expert-bias counts from one forward with gradients of random router inputs
+    `[S, b, hidden]` with the padding mask `[b, S]` true at the last positions of each row,
+    from one of the non-padding inputs alone, and megatron-core's own `TopKRouter` count of
+    the padded forward (the error it raises, if it does)."""
+    init_distributed(ParallelDims(world_size=1), launch, seed=3)
+    model = build_gpt_moe(config, ParallelDims(world_size=1))
+    router = next(m for m in model.modules() if isinstance(m, TopKRouter))
+    seq, batch = 10, 3
+    inputs = torch.randn(seq, batch, config.hidden_size)
+    padding = torch.arange(seq)[None, :] >= torch.tensor([[10], [7], [4]])
+
+    def count(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        router.local_tokens_per_expert.zero_()
+        router(hidden, padding_mask=None if mask is None else mask.transpose(0, 1))
+        return router.local_tokens_per_expert.clone()
+
+    padded = count(inputs, padding)
+    lengths = (~padding).sum(dim=1).tolist()
+    alone = sum(count(inputs[:length, i : i + 1], None) for i, length in enumerate(lengths))
+    upstream = None
+    try:
+        router.local_tokens_per_expert.zero_()
+        _, routing_map = TopKRouter.routing(router, router.gating(inputs), None)
+        # the method as written, without the torch.compile wrapper megatron-core puts on it
+        upstream_count = TopKRouter._apply_expert_bias
+        upstream_count = getattr(upstream_count, "_torchdynamo_orig_callable", upstream_count)
+        upstream_count(router, routing_map, padding.transpose(0, 1).reshape(-1))
+    except RuntimeError as error:
+        upstream = str(error)
+    return {
+        "class": type(router).__name__,
+        "padded": padded,
+        "alone": alone,
+        "tokens": int((~padding).sum()),
+        "upstream_error": upstream,
     }

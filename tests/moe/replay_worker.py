@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_rl.algo import PolicyLossSpec
 from megatron_rl.models.build import build_gpt_moe
@@ -89,7 +90,7 @@ def _force_routing(model: torch.nn.Module, routing: list[torch.Tensor]) -> None:
     """An independent way to force routing: replace each router's routing function by one that
     takes the given experts and weighs them as the router would: the softmax of its logits
     over them, or (sigmoid routers) their sigmoid scores renormalised and scaled."""
-    routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     for router, indices in zip(routers, routing, strict=True):
         config = router.config
 

@@ -1,6 +1,6 @@
 """The recipe's load-balancing options in RL: megatron-core's switch aux loss
-(`model.aux_loss_coeff`) weighs in as coeff x its mean over the update's micro-batches whatever
-the loss denominator;
+(`model.aux_loss_coeff`) weighs in as coeff x its mean over the update's non-padding tokens
+whatever the loss denominator, padding left out;
 the aux-loss-free expert-bias update (`model.router_bias_update_rate`) moves the bias after each
 update, counts only the update's forwards, reaches the engine with the weights, and resumes
 exactly from a checkpoint."""
@@ -36,17 +36,19 @@ DEEPSEEK_RECIPE = REPO / "examples" / "moe" / "tiny_deepseek_v3_gspo.yaml"
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("world_size", "loss_agg", "no_loss_tokens"),
+    ("world_size", "loss_agg", "no_loss_tokens", "padded"),
     [
-        (1, "token-mean", False),
-        (1, "seq-mean-token-mean", False),
-        (2, "seq-mean-token-sum", False),
-        (1, "token-mean", True),
+        (1, "token-mean", False, False),
+        (1, "seq-mean-token-mean", False, False),
+        (2, "seq-mean-token-sum", False, False),
+        (1, "token-mean", True, False),
+        (1, "seq-mean-token-mean", False, True),
+        (2, "token-mean", False, True),
     ],
-    ids=["token_mean", "seq_mean", "dp2_seq_sum", "no_loss_tokens"],
+    ids=["token_mean", "seq_mean", "dp2_seq_sum", "no_loss_tokens", "padded", "dp2_padded"],
 )
-def test_the_aux_loss_adds_coeff_times_its_mean_over_micro_batches(
-    world_size, loss_agg, no_loss_tokens
+def test_the_aux_loss_adds_coeff_times_its_token_weighted_mean_over_micro_batches(
+    world_size, loss_agg, no_loss_tokens, padded
 ):
     coeff = 0.5
     results = run_on_ranks(
@@ -54,12 +56,16 @@ def test_the_aux_loss_adds_coeff_times_its_mean_over_micro_batches(
         loss_agg,
         coeff,
         no_loss_tokens,
+        padded,
         world_size=world_size,
     )
+    # each micro-batch's switch loss over its non-padding tokens, weighted by their count
     expected = coeff * sum(r["hand_sum"] for r in results) / sum(r["count"] for r in results)
     for result in results:  # the DP all-reduce leaves the same gradient on every rank
         assert (result["policy_grad"] == 0) == no_loss_tokens
         torch.testing.assert_close(result["difference"], expected, rtol=1e-4, atol=1e-7)
+        if padded:  # padding follows every loss token and stays out of the switch loss
+            assert result["pad_embedding_grad"] == 0.0
     assert expected.abs().max() > 1e-3
 
 

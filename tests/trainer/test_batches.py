@@ -48,6 +48,8 @@ def test_positions_predict_the_response_tokens():
     assert batch.engine_logp[1, :2].tolist() == [-1.0, -2.0]
     # "4\n" is the first segment, "5" the second.
     assert batch.segment_ids[0].tolist() == [-1, -1, 0, 0, 1, -1]
+    # the padding after each sequence, which the routers leave out of their load balancing
+    assert batch.padding_mask.tolist() == [[False] * 6, [False] * 3 + [True] * 3]
 
 
 def test_an_empty_response_is_a_row_without_loss_tokens():
@@ -79,11 +81,36 @@ def test_micro_batches_have_one_shape_and_equal_counts_on_every_rank():
     assert [mb.row_ids.tolist() for mb in per_rank[1]] == [[1, 3], [5, -1]]
     empty = per_rank[1][1]
     assert not empty.loss_mask[1].any() and (empty.segment_ids[1] == -1).all()
+    # a filler row is all padding; a real row is padded after its sequence (row 5: 2 + 2)
+    assert empty.padding_mask[1].all() and empty.padding_mask[0].tolist() == [
+        False,
+        False,
+        False,
+        False,
+        True,
+        True,
+    ]
+    assert empty.router_token_count() == 4
     every = sorted(int(r) for ranks in per_rank for mb in ranks for r in mb.row_ids)
     assert every == [-1, 0, 1, 2, 3, 4, 5, 6]
     # the learner attaches the old log-probs and advantages; the engine's ride along
     assert all(mb.old_logp is None and mb.advantages is None for mb in per_rank[0])
     assert torch.equal(per_rank[0][0].engine_logp, batch.engine_logp[[0, 2]])
+
+
+def test_the_routers_balance_over_every_token_when_none_or_all_are_padding():
+    samples = [_sample([1, 2], [3]), _sample([1, 2], [3, 4])]
+    batch = build_rollout_batch(
+        samples, torch.zeros(2), group_size=2, pad_id=0, newline_token_ids=[NEWLINE]
+    )
+    (padded,) = micro_batches(batch, [0, 1], dp_rank=0, dp_size=1, micro_batch_size=2)
+    assert padded.router_padding().tolist() == [[False, False, False, True], [False] * 4]
+    (whole,) = micro_batches(batch, [1], dp_rank=0, dp_size=1, micro_batch_size=1)
+    assert whole.router_padding() is None and whole.router_token_count() == 4
+    # rank 1 of 2 gets a filler row only: megatron-core's switch loss over no token is 0 / 0
+    (filler,) = micro_batches(batch, [1], dp_rank=1, dp_size=2, micro_batch_size=1)
+    assert filler.padding_mask.all() and filler.router_padding() is None
+    assert filler.router_token_count() == 4
 
 
 def test_minibatches_cover_every_row_once_and_depend_on_the_seed():
