@@ -158,6 +158,7 @@ def test_every_shipped_recipe_loads_and_validates():
         (["algo.entropy_coef=-0.01"], r"algo\.entropy_coef: expected >= 0"),
         (["model.dispatcher=flex"], r"model\.dispatcher: expected one of 'alltoall'"),
         (["model.aux_loss_coeff=-0.01"], r"model\.aux_loss_coeff: expected a finite number >= 0"),
+        (["run.micro_batch_tokens=0"], r"run\.micro_batch_tokens: expected > 0, got 0"),
         (
             ["model.router_bias_update_rate=-1"],
             r"model\.router_bias_update_rate: expected a finite number >= 0",

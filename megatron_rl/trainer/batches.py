@@ -5,9 +5,12 @@ g*group_size ...). Every sample becomes one right-padded row `[S]` of prompt + r
 position t is true in `loss_mask` where it predicts a response token (see
 `megatron_rl.trainer.micro_batch.PolicyMicroBatch`). The batch is split into minibatches (one
 optimizer step each), each minibatch over the data-parallel ranks, and each rank's share into
-micro-batches of equal shape: megatron-core's schedule wants one shape, and expert-parallel
-ranks must run the same number of forwards, so short shares are filled with empty rows (no
-loss tokens, zero advantage), which change neither the loss nor its gradient.
+micro-batches, as many on every rank (expert-parallel ranks must run the same number of
+forwards): short shares are filled with empty rows (no loss tokens, zero advantage, all
+padding), which change neither the loss nor its gradient. By rows, every micro-batch has the
+batch's shape; with a token budget, rows of like length share a micro-batch cut to their width,
+so little of the trainer's work is padding (the schedule takes micro-batches of different
+shapes). The loss is the same either way: its denominator is the whole minibatch's.
 """
 
 from __future__ import annotations
@@ -56,10 +59,14 @@ class RolloutBatch:
         return self.tokens.shape[0]
 
     @property
+    def lengths(self) -> Tensor:
+        """`[B]` each row's prompt + response tokens (the rest of its width is padding)."""
+        return torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in self.samples])
+
+    @property
     def padding_mask(self) -> Tensor:
         """`[B, S]` bool, true at the padding after each row's prompt + response."""
-        lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in self.samples])
-        return torch.arange(self.tokens.shape[1]) >= lengths[:, None]
+        return torch.arange(self.tokens.shape[1]) >= self.lengths[:, None]
 
     def training_rows(self) -> list[int]:
         """The rows with loss tokens (a filtered response's row has none)."""
@@ -136,40 +143,96 @@ def micro_batches(
     dp_rank: int,
     dp_size: int,
     micro_batch_size: int,
+    micro_batch_tokens: int | None = None,
+    width_multiple: int = 1,
     engine_routing: EngineRouting | None = None,
 ) -> list[PolicyMicroBatch]:
     """This DP rank's micro-batches of the minibatch `rows` (rows dp_rank, dp_rank + dp_size, ...
-    of it), padded with empty rows to the same count on every rank."""
+    of it), as many on every rank.
+
+    Without `micro_batch_tokens`: micro-batches of up to `micro_batch_size` rows in `rows`'
+    order, all of the batch's width, short shares filled with empty rows. With it (a token
+    budget): the share's rows longest first, each micro-batch as many of them as fit in
+    `micro_batch_tokens` tokens (rows x width) and `micro_batch_size` rows, cut to the width of
+    its longest row rounded up to `width_multiple` (a row wider than the budget alone); a rank
+    with fewer micro-batches than another adds micro-batches of one empty row."""
+    if micro_batch_tokens is None:
+        chunks = _row_chunks(rows, dp_rank, dp_size, micro_batch_size)
+        widths = [batch.tokens.shape[1]] * len(chunks)
+    else:
+        lengths = batch.lengths
+        plans = [
+            _token_budget_chunks(
+                rows[rank::dp_size], lengths, micro_batch_size, micro_batch_tokens, width_multiple
+            )
+            for rank in range(dp_size)
+        ]
+        count = max(len(plan) for plan in plans)
+        chunks, widths = plans[dp_rank]
+        chunks = chunks + [[-1]] * (count - len(chunks))
+        widths = widths + [width_multiple] * (count - len(widths))
+    padding = batch.padding_mask
+    return [
+        _micro_batch(batch, chunk, width, padding, engine_routing)
+        for chunk, width in zip(chunks, widths, strict=True)
+    ]
+
+
+def _row_chunks(rows: Sequence[int], dp_rank: int, dp_size: int, size: int) -> list[list[int]]:
+    """This rank's share of `rows` in chunks of equal count on every rank, as few empty rows
+    (-1) as the count allows."""
     share = list(rows[dp_rank::dp_size])
     per_rank = math.ceil(len(rows) / dp_size)
-    count = math.ceil(per_rank / micro_batch_size)
-    size = math.ceil(per_rank / count)  # as few empty rows as the count allows
+    count = math.ceil(per_rank / size)
+    size = math.ceil(per_rank / count)
     share += [-1] * (count * size - len(share))
-    padding = batch.padding_mask
-    result = []
-    for start in range(0, len(share), size):
-        chunk = share[start : start + size]
-        result.append(_micro_batch(batch, chunk, padding, engine_routing))
-    return result
+    return [share[start : start + size] for start in range(0, len(share), size)]
+
+
+def _token_budget_chunks(
+    share: Sequence[int], lengths: Tensor, max_rows: int, budget: int, width_multiple: int
+) -> tuple[list[list[int]], list[int]]:
+    """`share`'s rows longest first in chunks of at most `max_rows` rows and `budget` tokens at
+    the chunk's width (its first row's length rounded up to `width_multiple`), and the widths."""
+    order = sorted(share, key=lambda row: (-int(lengths[row]), row))
+    chunks: list[list[int]] = []
+    widths: list[int] = []
+    for row in order:
+        if chunks and len(chunks[-1]) < max_rows and (len(chunks[-1]) + 1) * widths[-1] <= budget:
+            chunks[-1].append(row)
+            continue
+        chunks.append([row])
+        widths.append(-(-int(lengths[row]) // width_multiple) * width_multiple)
+    return chunks, widths
 
 
 def _micro_batch(
     batch: RolloutBatch,
     chunk: list[int],
+    width: int,
     padding: Tensor,
     engine_routing: EngineRouting | None,
 ) -> PolicyMicroBatch:
+    """The rows `chunk` (-1: an empty row) of `batch`, their first `width` positions."""
     real = torch.tensor([max(row, 0) for row in chunk])
     empty = torch.tensor([row < 0 for row in chunk])
-    tokens = batch.tokens[real]
+
+    def rows_of(values: Tensor, fill: int | float | bool) -> Tensor:
+        taken = values[real][:, :width]
+        if taken.shape[1] < width:  # a width rounded up past the batch's
+            extra = taken.new_full((taken.shape[0], width - taken.shape[1]), fill)
+            taken = torch.cat([taken, extra], dim=1)
+        return taken
+
+    tokens = rows_of(batch.tokens, 0)
     return PolicyMicroBatch(
         tokens=tokens,
-        loss_mask=batch.loss_mask[real] & ~empty[:, None],
+        loss_mask=rows_of(batch.loss_mask, False) & ~empty[:, None],
         old_logp=None,
-        engine_logp=batch.engine_logp[real],
-        segment_ids=torch.where(empty[:, None], -1, batch.segment_ids[real]),
+        engine_logp=rows_of(batch.engine_logp, 0.0),
+        segment_ids=torch.where(empty[:, None], -1, rows_of(batch.segment_ids, -1)),
         row_ids=torch.tensor(chunk),
-        padding_mask=padding[real] | empty[:, None],
+        padding_mask=rows_of(padding, True) | empty[:, None],
         routing=None
         if engine_routing is None
         else _replay_targets(batch, chunk, tokens.shape, engine_routing),

@@ -38,14 +38,17 @@ def learn(
     algo: AlgoConfig,
     *,
     micro_batch_size: int,
+    micro_batch_tokens: int | None = None,
     timer: StepTimer,
     seed: int,
     reference: ReferencePolicy | None = None,
     probe_routing: bool = False,
 ) -> dict[str, float]:
     """The learning half of a step: the micro-batches of `batch`'s training rows (shuffled with
-    `seed`, cut into `algo.updates_per_batch` minibatches of micro-batches of `micro_batch_size`
-    rows, or one per row when there are fewer rows: `steps/updates` says how many), their old
+    `seed`, cut into `algo.updates_per_batch` minibatches, or one per row when there are fewer
+    rows: `steps/updates` says how many; each minibatch into micro-batches of `micro_batch_size`
+    rows, or with `micro_batch_tokens` of rows of like length within that token budget,
+    `megatron_rl.trainer.batches.micro_batches`), their old
     log-probs (`algo.old_logprobs`) and with `reference` the reference's, the group advantages,
     then one optimizer step per minibatch. Returns the step's training metrics.
 
@@ -60,10 +63,11 @@ def learn(
         batch,
         algo,
         micro_batch_size=micro_batch_size,
+        micro_batch_tokens=micro_batch_tokens,
         seed=seed,
         with_engine_routing=with_engine_routing,
     )
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {"trainer/padding_frac": _padding_share(minibatches)}
     source = algo.old_logprobs
     if algo.runs_old_policy_forward:
         with timer.phase("old_logprob"):
@@ -121,6 +125,7 @@ def _minibatches(
     algo: AlgoConfig,
     *,
     micro_batch_size: int,
+    micro_batch_tokens: int | None,
     seed: int,
     with_engine_routing: bool,
 ) -> list[list[PolicyMicroBatch]]:
@@ -128,6 +133,8 @@ def _minibatches(
     responses were all filtered carry nothing and join none), `with_engine_routing`: carrying
     the engine's routing (R3 replays it; the old-policy forward's record replaces it else)."""
     engine_routing = _engine_routing(policy) if with_engine_routing else None
+    # sequence parallelism splits each micro-batch's width over the TP ranks
+    sequence_parallel = policy.model.config.sequence_parallel
     return [
         micro_batches(
             batch,
@@ -135,10 +142,22 @@ def _minibatches(
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
             micro_batch_size=micro_batch_size,
+            micro_batch_tokens=micro_batch_tokens,
+            width_multiple=parallel_state.get_tensor_model_parallel_world_size()
+            if sequence_parallel
+            else 1,
             engine_routing=engine_routing,
         )
         for chunk in minibatch_rows(batch.training_rows(), algo.updates_per_batch, seed=seed)
     ]
+
+
+def _padding_share(minibatches: list[list[PolicyMicroBatch]]) -> float:
+    """The share of the token positions this rank's micro-batches hold that are padding (each
+    runs through every forward and backward of the step)."""
+    every = [micro for minibatch in minibatches for micro in minibatch]
+    masks = [micro.padding_mask for micro in every if micro.padding_mask is not None]
+    return sum(int(mask.sum()) for mask in masks) / sum(micro.tokens.numel() for micro in every)
 
 
 def _each(

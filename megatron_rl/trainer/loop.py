@@ -207,6 +207,7 @@ class Trainer:
             self.loss_spec,
             recipe.algo,
             micro_batch_size=recipe.run.micro_batch_size,
+            micro_batch_tokens=recipe.run.micro_batch_tokens,
             timer=timer,
             seed=recipe.run.seed + step,
             reference=self.reference,

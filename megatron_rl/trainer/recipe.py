@@ -278,11 +278,19 @@ class RunConfig:
     """Held-out accuracy every this many steps (and before the first step and after the last)."""
     micro_batch_size: int = 32
     """Sequences per forward/backward pass (gradient accumulation makes up the minibatch)."""
+    micro_batch_tokens: int | None = None
+    """A token budget per forward/backward pass: each rank's rows of a minibatch, longest first,
+    share a pass while they fit in this many tokens (rows x the longest row's length) and
+    `micro_batch_size` rows, each pass as wide as its longest row, so little of the work is
+    padding; a longer row gets a pass of its own. None: `micro_batch_size` rows per pass, all as
+    wide as the step's longest row."""
     max_bad_steps: int = 3
     """Consecutive steps with a non-finite loss or gradient (skipped) before the run aborts."""
 
     def validate(self) -> None:
         check_positive("run", self, "steps", "eval_every", "micro_batch_size", "max_bad_steps")
+        if self.micro_batch_tokens is not None:
+            check_positive("run", self, "micro_batch_tokens")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -252,16 +252,17 @@ def _run_schedule(
     recorded: list[list[Tensor] | None] | None = None,
 ) -> list[dict[str, Tensor]]:
     """The schedule over `micro_batches`; with `replay` and `recorded`, the routing of micro-batch
-    i is recorded into `recorded[i]` instead of replayed."""
+    i is recorded into `recorded[i]` instead of replayed. Micro-batches of different shapes
+    (token-budget micro-batches) make the pipeline stages send each activation's shape before
+    it (megatron-core's `variable_seq_lengths`)."""
     if not micro_batches:
         raise ValueError("micro_batches: expected at least one micro-batch")
     shapes = {tuple(mb.tokens.shape) for mb in micro_batches}
-    if len(shapes) != 1:
-        raise ValueError(f"micro_batches: all need one shape [b, S] for the schedule, got {shapes}")
-    batch, seq = shapes.pop()
+    batch, seq = max(shapes)
     config = model.config
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = getattr(model, "no_sync", None)
+    config.variable_seq_lengths = len(shapes) > 1
     results = get_forward_backward_func()(
         forward_step_func=partial(
             _forward_step, make_loss_func, replay, recorded, _model_device(model)

@@ -532,3 +532,53 @@ def _first_response_token(micro) -> int:
     batch = micro.tokens.shape[0]
     position = int(micro.loss_mask[0].nonzero()[0])
     return position * batch
+
+
+def token_budget_gradient(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]) -> dict:
+    """The loss and gradient of one GSPO forward-backward over this rank's share of the same
+    rollouts, cut into micro-batches by rows (2 per micro-batch, the batch's width) and by a
+    token budget (rows of like length, each micro-batch as wide as its longest row), and how
+    many padding positions each way computed: the largest gradient difference (relative to the
+    largest gradient) and the largest gradient, over this rank's parameters."""
+    dims = ParallelDims(world_size=launch.world_size, **layout)
+    init_distributed(dims, launch, seed=5)
+    policy = Policy(ModelConfig(hf_path=hf_dir), dims, OptimConfig(lr=1e-3))
+    engine = LocalEngine.from_pretrained(hf_dir) if launch.rank == 0 else None
+    batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
+    advantages = step_advantages(batch, AlgoConfig())
+    spec = PolicyLossSpec.of("gspo", clip_low=3e-4, clip_high=4e-4)
+    result: dict = {}
+    for name, tokens in (("rows", None), ("budget", 2 * int(batch.lengths.min()))):
+        share = [
+            replace(
+                micro,
+                old_logp=micro.engine_logp,
+                advantages=torch.where(micro.row_ids < 0, 0.0, advantages[micro.row_ids.clamp(0)]),
+            )
+            for micro in micro_batches(
+                batch,
+                list(range(batch.num_rows)),
+                dp_rank=parallel_state.get_data_parallel_rank(),
+                dp_size=dims.dp,
+                micro_batch_size=2,
+                micro_batch_tokens=tokens,
+            )
+        ]
+        policy.model.zero_grad_buffer()
+        step = policy_forward_backward(policy.model, share, spec)
+        result[name] = {
+            "loss": float(step.loss),
+            "grads": {
+                n: p.main_grad.detach().clone() for n, p in policy.model.module.named_parameters()
+            },
+            "shapes": sorted({tuple(micro.tokens.shape) for micro in share}),
+            "padding": sum(int(micro.padding_mask.sum()) for micro in share),
+        }
+    grads = {name: result[name].pop("grads") for name in ("rows", "budget")}
+    assert grads["rows"].keys() == grads["budget"].keys()
+    largest = max(float(g.abs().max()) for g in grads["rows"].values())
+    result["largest_grad"] = largest
+    result["grad_difference"] = (
+        max(float((grads["budget"][n] - g).abs().max()) for n, g in grads["rows"].items()) / largest
+    )
+    return result

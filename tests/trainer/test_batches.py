@@ -188,3 +188,72 @@ def test_advantages_are_the_groups_of_the_rewards_less_the_kl_in_the_reward():
     expected = group_advantages(rewards.double() - 0.1 * kl_rows, 2).advantages.float()
     torch.testing.assert_close(step_advantages(batch, shaped, kl_rows), expected)
     assert float(step_advantages(batch, shaped, kl_rows)[2]) != 0  # the KL split the tie
+
+
+def _batch_of_lengths(lengths):
+    samples = [_sample([1, 2], [3] * (length - 2)) for length in lengths]
+    return build_rollout_batch(
+        samples,
+        torch.zeros(len(samples)),
+        group_size=len(samples),
+        pad_id=0,
+        newline_token_ids=[NEWLINE],
+    )
+
+
+def test_a_token_budget_groups_rows_of_like_length_cut_to_their_width():
+    lengths = [30, 5, 12, 29, 6, 11, 40, 7]
+    batch = _batch_of_lengths(lengths)
+    (planned,) = [
+        micro_batches(
+            batch,
+            list(range(8)),
+            dp_rank=0,
+            dp_size=1,
+            micro_batch_size=3,
+            micro_batch_tokens=64,
+            width_multiple=4,
+        )
+    ]
+    # longest first; each pass fits 64 tokens at its longest row's width (rounded up to 4) and
+    # 3 rows; the 40-token row is alone (two would be 80)
+    assert [mb.row_ids.tolist() for mb in planned] == [[6], [0, 3], [2, 5, 7], [4, 1]]
+    assert [tuple(mb.tokens.shape) for mb in planned] == [(1, 40), (2, 32), (3, 12), (2, 8)]
+    for mb in planned:
+        for i, row in enumerate(mb.row_ids.tolist()):
+            real = lengths[row]
+            assert torch.equal(mb.tokens[i, :real], batch.tokens[row, :real])
+            assert mb.padding_mask[i].tolist() == [p >= real for p in range(mb.tokens.shape[1])]
+            width = min(mb.tokens.shape[1], batch.tokens.shape[1])
+            assert torch.equal(mb.loss_mask[i, :width], batch.loss_mask[row, :width])
+    # every loss token of the batch is in exactly one pass
+    assert sum(int(mb.loss_mask.sum()) for mb in planned) == int(batch.loss_mask.sum())
+    padded = sum(int(mb.padding_mask.sum()) for mb in planned)
+    assert padded < int(batch.padding_mask.sum())  # 28 padding positions against 172
+
+
+def test_a_token_budget_gives_every_rank_as_many_micro_batches():
+    batch = _batch_of_lengths([40, 38, 36, 5, 6, 7])
+    per_rank = [
+        micro_batches(
+            batch,
+            list(range(6)),
+            dp_rank=rank,
+            dp_size=2,
+            micro_batch_size=8,
+            micro_batch_tokens=80,
+        )
+        for rank in range(2)
+    ]
+    # rank 0 holds rows 0, 2, 4 (40, 36, 6 tokens): 2 x 40 fit in 80, a third does not;
+    # rank 1 rows 1, 3, 5 (38, 5, 7): 38 with 7, then 5
+    assert [[mb.row_ids.tolist() for mb in rank] for rank in per_rank] == [
+        [[0, 2], [4]],
+        [[1, 5], [3]],
+    ]
+    # a rank with fewer passes than another adds passes of one empty row
+    filler = micro_batches(
+        batch, [0, 1, 2], dp_rank=1, dp_size=2, micro_batch_size=8, micro_batch_tokens=40
+    )
+    assert [mb.row_ids.tolist() for mb in filler] == [[1], [-1]]
+    assert filler[1].padding_mask.all() and not filler[1].loss_mask.any()

@@ -176,3 +176,21 @@ def test_the_routing_probe_measures_a_known_change_of_routing():
     assert result["frozen_change"]["routing/router_weight_change"] == 0
     assert result["frozen_update"]["grad_norm"] > 0
     assert result["frozen_update"]["routing/update_token_layer"] > 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("world_size", "layout"), [(1, {}), (2, {"pp": 2}), (2, {})], ids=["one_rank", "pp2", "dp2"]
+)
+def test_token_budget_micro_batches_give_the_same_loss_and_gradient(world_size, layout):
+    results = run_on_ranks(
+        policy_worker.token_budget_gradient, TINY_MODEL, layout, world_size=world_size
+    )
+    for result in results:
+        rows, budget = result["rows"], result["budget"]
+        # micro-batches of several widths (the pipeline stages pass each activation's shape)
+        assert len(budget["shapes"]) > 1 and len(rows["shapes"]) == 1
+        assert budget["padding"] < rows["padding"]
+        if not math.isnan(rows["loss"]):  # the last pipeline stage's
+            assert budget["loss"] == pytest.approx(rows["loss"], rel=1e-5, abs=1e-7)
+        assert result["largest_grad"] > 1e-4 and result["grad_difference"] < 1e-5
