@@ -7,7 +7,8 @@ after the other on the same machine:
 
 - megatron-rl lock-step (`examples/moe/tiny_gspo.yaml`), with `rollout.max_staleness=1` (the
   engine on the trainer's thread, or in a process of its own), with the engine's log-probs as
-  the old ones (`algo.mismatch=bypass`), and with an SGLang server
+  the old ones (`algo.mismatch=bypass`), with token-budget micro-batches
+  (`run.micro_batch_tokens`), and with an SGLang server
   (`examples/moe/tiny_gspo_sglang.yaml`; needs .venv-sglang);
 - TRL 1.16's GRPOTrainer with importance_sampling_level="sequence" (GSPO), in its own
   environment (.venv-trl, made by scripts/install_trl_bench.sh; megatron_rl/bench/peers).
@@ -15,10 +16,11 @@ after the other on the same machine:
 Reported per arm: seconds per step (median, and the smallest and largest, over the steps after
 the warm-up; megatron-rl's last step, which evaluates, is left out), response tokens per second,
 the peak resident memory of the arm's process (SGLang's server, a process of its own, is not in
-it), and megatron-rl's split by phase. The compute floor of a step is its model FLOPs (the
-generation's forwards over every prompt and response token, the update's forward and backward,
-3x, over the same tokens; megatron_rl.bench.train_step's count) over the matrix-product peak
-measured in the same run: the time no implementation on this machine can beat.
+it), and megatron-rl's split by phase and share of padding in the trainer's micro-batches. The
+compute floor of a step is its model FLOPs (the generation's forwards over every prompt and
+response token, the update's forward and backward, 3x, over the same tokens;
+megatron_rl.bench.train_step's count) over the matrix-product peak measured in the same run:
+the time no implementation on this machine can beat.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ MEGATRON_ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("rollout.max_staleness=1", "rollout.local_process=true"),
     ),
     "megatron-rl engine log-probs": ("examples/moe/tiny_gspo.yaml", ("algo.mismatch=bypass",)),
+    # 32 rows of 64 tokens, the default micro_batch_size at about the task's sequence length
+    "megatron-rl token budget": ("examples/moe/tiny_gspo.yaml", ("run.micro_batch_tokens=2048",)),
     "megatron-rl SGLang": ("examples/moe/tiny_gspo_sglang.yaml", ()),
 }
 TRL_ARM = "TRL GRPOTrainer (GSPO)"
@@ -133,7 +137,12 @@ def _megatron_arm(spec: RLStepBenchSpec, arm: str, workdir: Path) -> dict[str, o
     phases = {
         phase: statistics.median(r.get(f"time/{phase}_s", 0.0) for r in timed) for phase in PHASES
     }
-    return _summary(seconds, tokens) | {"peak_rss_mib": peak_kib / 1024, "phases": phases}
+    padding = statistics.median(r["trainer/padding_frac"] for r in timed)
+    return _summary(seconds, tokens) | {
+        "peak_rss_mib": peak_kib / 1024,
+        "phases": phases,
+        "padding_frac": padding,
+    }
 
 
 def _trl_arm(spec: RLStepBenchSpec, workdir: Path) -> dict[str, object]:
@@ -232,18 +241,20 @@ def format_markdown(report: dict) -> str:
         f"{spec['steps']} steps per arm, the first {spec['warmup']} not timed.",
         "",
         "| arm | s/step median [min, max] | response tokens/s | vs TRL | peak RSS MiB |"
-        " rollout / old log-probs / train / sync s |",
-        "|---|---|---|---|---|---|",
+        " rollout / old log-probs / train / sync s | padding |",
+        "|---|---|---|---|---|---|---|",
     ]
     for arm, result in report["arms"].items():
         phases = result.get("phases")
         split = " / ".join(f"{phases[p]:.3f}" for p in PHASES) if phases else "-"
         ratio = result.get("tokens_per_s_vs_trl")
         versus = "-" if ratio is None else f"{ratio:.2f}x"
+        padding = result.get("padding_frac")
+        padded = "-" if padding is None else f"{padding:.0%}"
         lines.append(
             f"| {arm} | {result['step_s_median']:.3f} [{result['step_s_min']:.3f}, "
             f"{result['step_s_max']:.3f}] | {result['tokens_per_s']:.0f} | {versus} | "
-            f"{result['peak_rss_mib']:.0f} | {split} |"
+            f"{result['peak_rss_mib']:.0f} | {split} | {padded} |"
         )
     lines += [
         "",

@@ -10,9 +10,12 @@ from megatron_rl.bench import rl_step
 
 @pytest.mark.extended  # a reduced run of every arm: over a minute
 def test_the_step_benchmark_reports_each_arm_beside_the_compute_floor(tmp_path):
-    spec = rl_step.RLStepBenchSpec(steps=3, warmup=0, arms=("megatron-rl lock-step",))
+    arms = ("megatron-rl lock-step", "megatron-rl token budget")
+    spec = rl_step.RLStepBenchSpec(steps=3, warmup=0, arms=arms)
     report = rl_step.run_benchmark(spec, tmp_path)
-    (result,) = report["arms"].values()
+    result, budget = (report["arms"][arm] for arm in arms)
+    # rows of like length share a micro-batch cut to their width
+    assert 0 <= budget["padding_frac"] < result["padding_frac"] < 1
     assert result["step_s_min"] <= result["step_s_median"] <= result["step_s_max"]
     # 16 prompts x 8 samples of at most 32 tokens
     assert 16 * 8 <= result["tokens_per_step"] <= 16 * 8 * 32
