@@ -84,14 +84,20 @@ class LaunchEnv:
         )
 
 
+# How long a collective waits for every rank of its group before failing (run.collective_timeout_s).
+DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
 def init_distributed(
     dims: ParallelDims,
     launch: LaunchEnv,
     *,
     seed: int = 1234,
-    timeout: timedelta = timedelta(minutes=10),
+    timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
 ) -> None:
     """Create the default process group and megatron-core's groups for `dims`; seed the RNGs.
+    Every group's collectives fail after `timeout` without all of its ranks (a dead node, a cut
+    network), the default group's and megatron-core's alike.
 
     The layout is checked against the launch before anything is created.
     """
@@ -117,11 +123,14 @@ def init_distributed(
             timeout=timeout,
             **rendezvous,
         )
-    set_model_parallel(dims, seed=seed)
+    set_model_parallel(dims, seed=seed, timeout=timeout)
 
 
-def set_model_parallel(dims: ParallelDims, *, seed: int = 1234) -> None:
-    """(Re)create megatron-core's model-parallel groups for `dims` in the running world."""
+def set_model_parallel(
+    dims: ParallelDims, *, seed: int = 1234, timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT
+) -> None:
+    """(Re)create megatron-core's model-parallel groups for `dims` in the running world, their
+    collectives failing after `timeout` (megatron-core's own default is 30 minutes)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -130,6 +139,8 @@ def set_model_parallel(dims: ParallelDims, *, seed: int = 1234) -> None:
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.etp,
+        # a float works: megatron-core makes it timedelta(minutes=...)
+        distributed_timeout_minutes=timeout.total_seconds() / 60,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

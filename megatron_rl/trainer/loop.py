@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from contextlib import ExitStack
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
@@ -74,7 +75,8 @@ def train(
     (RunStopped, which rank 0 reports on stderr)."""
     launch = LaunchEnv.from_environ()
     dims = ParallelDims.of(recipe.parallel, launch.world_size)
-    init_distributed(dims, launch, seed=recipe.run.seed)
+    timeout = timedelta(seconds=recipe.run.collective_timeout_s)
+    init_distributed(dims, launch, seed=recipe.run.seed, timeout=timeout)
     try:
         with ExitStack() as stack:  # the rollout engine's servers and resources
             return Trainer.build(recipe, dims, stack, resume=resume, stop=stop).run()

@@ -286,9 +286,23 @@ class RunConfig:
     wide as the step's longest row."""
     max_bad_steps: int = 3
     """Consecutive steps with a non-finite loss or gradient (skipped) before the run aborts."""
+    collective_timeout_s: float = 600.0
+    """How long a collective (a gradient all-reduce, a pipeline send, a weight gather) waits for
+    every rank of its group: a rank lost to a dead node or a cut network fails the run after
+    this, not after the 30 minutes gloo, NCCL and megatron-core default to. Set it above the
+    longest wait between collectives: the other ranks wait on rank 0's rollout generation, its
+    evaluation and a checkpoint save."""
 
     def validate(self) -> None:
-        check_positive("run", self, "steps", "eval_every", "micro_batch_size", "max_bad_steps")
+        check_positive(
+            "run",
+            self,
+            "steps",
+            "eval_every",
+            "micro_batch_size",
+            "max_bad_steps",
+            "collective_timeout_s",
+        )
         if self.micro_batch_tokens is not None:
             check_positive("run", self, "micro_batch_tokens")
 

@@ -11,6 +11,8 @@ import pytest
 from megatron_rl.parallel.collectives import backend
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
+from tests.parallel import timeout_worker
+from tests.parallel.harness import run_on_ranks
 
 
 def test_torchrun_environment():
@@ -81,3 +83,12 @@ def test_a_single_process_starts_without_a_port_or_a_file(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["1", "gloo"]
     assert list(tmp_path.iterdir()) == []  # no rendezvous file left behind
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_without_one_of_its_ranks_fails_after_the_timeout():
+    # megatron-core's groups would wait 30 minutes by their own default
+    rank0, _ = run_on_ranks(timeout_worker.collective_without_a_rank, 3.0, world_size=2)
+    for group in ("data_parallel", "default"):
+        assert rank0[group]["error"] is not None, group
+        assert 2.5 < rank0[group]["seconds"] < 10, group
