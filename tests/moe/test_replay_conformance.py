@@ -15,9 +15,8 @@ LAYOUTS = {
     "one_rank": (1, {}, False),
     "one_rank_recompute": (1, {}, True),
     "tp2_sequence_parallel": (2, {"tp": 2}, False),
-    "ep2": (2, {"ep": 2}, False),
+    "ep2_dp2": (2, {"ep": 2}, False),  # the dense layers data-parallel over the same 2 ranks
     "pp2_1f1b": (2, {"pp": 2}, False),
-    "dp2": (2, {}, False),
 }
 
 
