@@ -1,11 +1,14 @@
 """The three-node SLURM test cluster (tests/launch/slurm_cluster.py): each node a host of its own
 on one machine (hostname, address, network namespace), the nodes resolving one another by name
-as torchrun's rendezvous needs, up in at most 30 s, and gone without a trace when stopped."""
+as torchrun's rendezvous needs, up in at most 30 s, and gone without a trace when stopped. On
+it, `megatron-rl launch slurm` trains on two nodes, one rank each over gloo, and its metrics
+equal those of the same run under torchrun on one node, to the last bit."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +16,15 @@ import pytest
 
 from tests.launch.slurm_cluster import SlurmCluster, missing_reason
 from tests.processes import is_running
+from tests.trainer.run_cli import (
+    RECIPE,
+    REPO,
+    SHORT_RUN,
+    check_repeats,
+    read_metrics,
+    train_cli,
+    train_environment,
+)
 
 pytestmark = [
     pytest.mark.skipif(missing_reason(nodes=3) is not None, reason=str(missing_reason(nodes=3))),
@@ -59,3 +71,52 @@ def test_three_nodes_are_hosts_of_their_own_and_leave_nothing_behind(tmp_path):
     assert not any(is_running(pid) for pid in daemons)
     assert network.prefix not in _ip_lines("netns", "list")
     assert network.prefix not in _ip_lines("link", "show")
+
+
+def test_a_two_node_job_repeats_the_one_node_run(tmp_path):
+    cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
+    try:
+        # the job gives each rank its node's CPUs as threads: the reference's ranks get as many
+        # (another count sums the matrix products in another order)
+        cpus = re.search(r"\bCPUs=(\d+)", cluster.conf.read_text()).group(1)
+        reference = tmp_path / "torchrun"
+        result = train_cli(reference, nproc=2, extra_env={"OMP_NUM_THREADS": cpus})
+        assert result.returncode == 0, result.stderr[-3000:]
+        whole = read_metrics(reference)
+        run_dir = tmp_path / "two-nodes"
+        submitted = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_rl.cli",
+                "launch",
+                "slurm",
+                str(RECIPE),
+                *SHORT_RUN,
+                f"run.dir={run_dir}",
+                "--nodes=2",
+                "--gpus-per-node=1",
+                "--device=cpu",
+            ],
+            cwd=REPO,
+            env=train_environment() | {"SLURM_CONF": str(cluster.conf)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert submitted.returncode == 0, submitted.stderr[-3000:]
+        job_id = submitted.stdout.split()[2]
+        fields = cluster.wait_for_job(
+            job_id,
+            lambda job: job["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"),
+            timeout_s=240,
+            what="finished",
+        )
+        logs = "".join(path.read_text() for path in (run_dir / "slurm").glob("*.out"))
+        assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
+        # a rank on each node, the rendezvous at the first node's address
+        hosts = cluster.network.hostnames[:2]
+        assert all(host in logs for host in hosts), logs[-3000:]
+    finally:
+        cluster.stop()
+    check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)))
