@@ -1,7 +1,8 @@
 """A real SLURM cluster for the tests: munged, slurmctld and slurmd (Debian's slurm-wlm,
 installed by scripts/install_slurm.sh) as root, in the foreground as children of the test
-process, with a configuration, key, sockets, ports and state of their own under one directory,
-so that nothing of the machine's is used or changed. Stopped by their PIDs.
+process, with a configuration, key, ports and state of their own under one directory (and their
+Unix sockets under a short one in /tmp: a socket's path must stay under 108 bytes), so that
+nothing of the machine's is used or changed. Stopped by their PIDs.
 
 `SlurmCluster(root)` is one node, the machine itself. `SlurmCluster(root, nodes=3)` is a
 cluster of three hosts on the one machine (the probe ../shared/probes/slurm-multinode): each
@@ -24,6 +25,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,7 +67,12 @@ class SlurmCluster:
         self.nodes = nodes
         self.host = socket.gethostname().split(".")[0]
         self.conf = root / "slurm.conf"
-        self.munge_socket = root / "munge" / "munge.socket"
+        # Unix sockets live under the spool directory and munge's: their paths must stay under
+        # 108 bytes, which a test's tmp_path can pass (slurmstepd then cannot start a job), so
+        # both go in a short directory of their own, removed by stop().
+        self.sockets = Path(tempfile.mkdtemp(prefix="mrs", dir="/tmp"))
+        self.spool = self.sockets / "spool"
+        self.munge_socket = self.sockets / "munge.socket"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         self.processes: list[subprocess.Popen] = []
         self.network: NodeNetwork | None = NodeNetwork(nodes) if nodes > 1 else None
@@ -76,8 +83,9 @@ class SlurmCluster:
 
     def start(self) -> SlurmCluster:
         (self.root / "munge").mkdir(parents=True, mode=0o700)
-        for name in ("state", "spool", "log"):
+        for name in ("state", "log"):
             (self.root / name).mkdir()
+        self.spool.mkdir()
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
@@ -101,7 +109,7 @@ class SlurmCluster:
             self._spawn("slurmd", "-D", "-f", str(self.conf))
         else:
             for index, name in enumerate(self.network.hostnames):
-                (self.root / "spool" / name).mkdir()
+                (self.spool / name).mkdir()
                 self._spawn(
                     "slurmd",
                     "-D",
@@ -128,6 +136,7 @@ class SlurmCluster:
         self.processes.clear()
         if self.network is not None:
             self.network.delete()
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
     def node_state(self) -> str:
         """The nodes' state if they all share one (`idle`), else each node's."""
@@ -218,7 +227,7 @@ class SlurmCluster:
                     f"AuthInfo=socket={self.munge_socket},cred_expire={REQUEUE_WAIT_S}",
                     f"StateSaveLocation={root / 'state'}",
                     # %n: the node's name (one slurmd per node, all on one filesystem)
-                    f"SlurmdSpoolDir={root / 'spool' / ('%n' if self.network else '')}",
+                    f"SlurmdSpoolDir={self.spool / ('%n' if self.network else '')}",
                     f"SlurmctldPidFile={root / 'slurmctld.pid'}",
                     f"SlurmdPidFile={root / 'slurmd-%n.pid'}",
                     f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",

@@ -73,6 +73,42 @@ def test_three_nodes_are_hosts_of_their_own_and_leave_nothing_behind(tmp_path):
     assert network.prefix not in _ip_lines("link", "show")
 
 
+def _submit_two_node_job(cluster: SlurmCluster, run_dir: Path, overrides: list[str]) -> str:
+    """The tiny recipe's short run + `overrides` through `megatron-rl launch slurm` on two
+    trainer nodes, one rank each; the job id."""
+    submitted = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl.cli",
+            "launch",
+            "slurm",
+            str(RECIPE),
+            *SHORT_RUN,
+            f"run.dir={run_dir}",
+            *overrides,
+            "--nodes=2",
+            "--gpus-per-node=1",
+            "--device=cpu",
+        ],
+        cwd=REPO,
+        env=train_environment() | {"SLURM_CONF": str(cluster.conf)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    return submitted.stdout.split()[2]
+
+
+def _ended(job: dict[str, str]) -> bool:
+    return job["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING")
+
+
+def _job_logs(run_dir: Path) -> str:
+    return "".join(path.read_text() for path in sorted((run_dir / "slurm").glob("*.out")))
+
+
 def test_a_two_node_job_repeats_the_one_node_run(tmp_path):
     cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
     try:
@@ -84,35 +120,9 @@ def test_a_two_node_job_repeats_the_one_node_run(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         whole = read_metrics(reference)
         run_dir = tmp_path / "two-nodes"
-        submitted = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "megatron_rl.cli",
-                "launch",
-                "slurm",
-                str(RECIPE),
-                *SHORT_RUN,
-                f"run.dir={run_dir}",
-                "--nodes=2",
-                "--gpus-per-node=1",
-                "--device=cpu",
-            ],
-            cwd=REPO,
-            env=train_environment() | {"SLURM_CONF": str(cluster.conf)},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert submitted.returncode == 0, submitted.stderr[-3000:]
-        job_id = submitted.stdout.split()[2]
-        fields = cluster.wait_for_job(
-            job_id,
-            lambda job: job["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"),
-            timeout_s=240,
-            what="finished",
-        )
-        logs = "".join(path.read_text() for path in (run_dir / "slurm").glob("*.out"))
+        job_id = _submit_two_node_job(cluster, run_dir, [])
+        fields = cluster.wait_for_job(job_id, _ended, timeout_s=240, what="finished")
+        logs = _job_logs(run_dir)
         assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
         # a rank on each node, the rendezvous at the first node's address
         hosts = cluster.network.hostnames[:2]
@@ -120,3 +130,40 @@ def test_a_two_node_job_repeats_the_one_node_run(tmp_path):
     finally:
         cluster.stop()
     check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)))
+
+
+# two minutes; the timeout itself is in the default suite (tests/parallel/test_distributed.py)
+@pytest.mark.extended
+def test_a_network_cut_between_trainer_nodes_fails_the_ranks_within_the_collective_timeout(
+    tmp_path,
+):
+    # above the longest wait between collectives here: the other rank waits on rank 0's
+    # generation and evaluation (a 10 s timeout failed the job before its first step)
+    timeout_s = 40
+    cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
+    try:
+        run_dir = tmp_path / "cut"
+        overrides = ["run.steps=20", f"run.collective_timeout_s={timeout_s}"]
+        job_id = _submit_two_node_job(cluster, run_dir, overrides)
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and '"step": 1,' in metrics.read_text()):
+            assert time.monotonic() < deadline, (cluster.job(job_id), _job_logs(run_dir)[-3000:])
+            assert not _ended(cluster.job(job_id)), _job_logs(run_dir)[-3000:]
+            time.sleep(0.2)
+        # the second node's link to the bridge goes down: the nodes no longer reach each other
+        subprocess.run(["ip", "link", "set", f"{cluster.network.prefix}v2", "down"], check=True)
+        cut = time.monotonic()
+        # each node's rank gives up after the timeout (not gloo's 30 minutes), its torchrun
+        # exits 1, and srun on the first node reports it
+        failed = f"Timed out waiting {timeout_s * 1000}ms"
+        while time.monotonic() - cut < 3 * timeout_s:
+            logs = _job_logs(run_dir)
+            if logs.count(failed) >= 2 and "task 0: Exited with exit code 1" in logs:
+                break
+            time.sleep(0.5)
+        ended = time.monotonic() - cut
+    finally:
+        cluster.stop()
+    assert logs.count(failed) >= 2 and ended < 2 * timeout_s, (ended, logs[-3000:])
+    assert not list(run_dir.glob("checkpoints/.*partial"))
