@@ -56,6 +56,7 @@ class TrainStepSpec:
     steps: int = 4  # timed optimizer steps, after one warm-up step
     dtype: str = "bfloat16"
     recompute: bool = False
+    grouped_experts: bool = True  # False: megatron-core's loop over experts
     matmul_size: int = 8192  # of the square product that measures the peak
 
     def model(self) -> MoEModelConfig:
@@ -145,7 +146,13 @@ def run_benchmark(spec: TrainStepSpec) -> dict[str, object]:
     try:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model = wrap_for_training(
-            build_gpt_moe(model_config, dims, recompute=spec.recompute), distributed_optimizer=False
+            build_gpt_moe(
+                model_config,
+                dims,
+                recompute=spec.recompute,
+                grouped_experts=spec.grouped_experts,
+            ),
+            distributed_optimizer=False,
         )
         optimizer = build_optimizer(model, OptimConfig(lr=1e-6))
         loss = PolicyLossSpec.of("gspo", clip_low=3e-4, clip_high=4e-4, check_finite=False)
@@ -200,7 +207,8 @@ def format_markdown(report: dict) -> str:
             f"Training step of a random MoE, one rank on {report['device']} "
             f"(Transformer Engine: {report['transformer_engine']}): {spec['layers']} layers, "
             f"hidden {spec['hidden']}, {spec['experts']} experts top-{spec['topk']} "
-            f"(FFN {spec['moe_ffn']}), vocab {spec['vocab']}, {report['parameters'] / 1e9:.2f} B "
+            f"(FFN {spec['moe_ffn']}, {_experts_kind(spec)}), vocab {spec['vocab']}, "
+            f"{report['parameters'] / 1e9:.2f} B "
             f"parameters, {spec['dtype']}; GSPO, {spec['micro_batches']} micro-batches of "
             f"{spec['micro_batch']} x {spec['seq']} tokens per step, recompute "
             f"{'on' if spec['recompute'] else 'off'}; median of {spec['steps']} steps after one "
@@ -219,6 +227,11 @@ def format_markdown(report: dict) -> str:
             "token, causal attention; megatron_rl/bench/train_step.py).",
         ]
     )
+
+
+def _experts_kind(spec: dict) -> str:
+    """How the spec's experts ran: grouped GEMMs or megatron-core's loop."""
+    return "grouped GEMMs" if spec.get("grouped_experts", True) else "loop over experts"
 
 
 def write_report(report: dict, out_dir: Path) -> tuple[Path, Path]:

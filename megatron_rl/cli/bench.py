@@ -221,6 +221,21 @@ BENCH_COMMANDS = {
             Path(args.workdir),
         ),
     ),
+    "experts": _BenchCommand(
+        "megatron_rl.bench.expert_scaling",
+        "training step at 8, 64 and 128 experts with equal active parameters, grouped vs loop",
+        (
+            ("--rounds", {"type": positive_int, "default": 3, "help": "interleaved rounds"}),
+            ("--steps", {"type": positive_int, "default": 3, "help": "timed steps per round"}),
+            ("--seq", {"type": positive_int, "default": 256, "help": "tokens per sequence"}),
+            ("--layers", {"type": positive_int, "default": 4, "help": "layers"}),
+        ),
+        lambda bench, args: bench.run_benchmark(
+            bench.ExpertScalingSpec(
+                rounds=args.rounds, steps=args.steps, seq=args.seq, layers=args.layers
+            )
+        ),
+    ),
     "train-step": _BenchCommand(
         "megatron_rl.bench.train_step",
         "training step of a random MoE on one rank: tokens/s and MFU against the matmul peak",

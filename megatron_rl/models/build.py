@@ -176,18 +176,21 @@ def transformer_config(
     )
 
 
-def block_spec(config: TransformerConfig, *, use_te: bool) -> TransformerBlockSubmodules:
+def block_spec(
+    config: TransformerConfig, *, use_te: bool, grouped_experts: bool = True
+) -> TransformerBlockSubmodules:
     """The layers of this pipeline stage, dense or MoE as `config.moe_layer_freq` says: TE modules
     on GPU when available, megatron-core's torch ones else, with the routed experts in grouped
-    GEMMs instead of a loop (`megatron_rl.models.grouped_experts`) and routers that leave
-    padding out of their expert-bias counts (`megatron_rl.models.router`)."""
+    GEMMs instead of a loop (`megatron_rl.models.grouped_experts`; `grouped_experts=False`
+    keeps megatron-core's loop, for benchmarks) and routers that leave padding out of their
+    expert-bias counts (`megatron_rl.models.router`)."""
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization="RMSNorm"
     )
     for layer in spec.layer_specs:
         moe = layer.submodules.mlp.submodules
         experts = getattr(moe, "experts", None)
-        if experts is not None and experts.module is SequentialMLP:
+        if grouped_experts and experts is not None and experts.module is SequentialMLP:
             experts.module = GroupedSequentialMLP
         if getattr(moe, "router", None) is TopKRouter:
             moe.router = PaddingMaskedTopKRouter
@@ -203,10 +206,12 @@ def build_gpt_moe(
     use_te: bool | None = None,
     initialize: bool = True,
     routing_replay: bool = False,
+    grouped_experts: bool = True,
 ) -> GPTModel:
     """This rank's part of the model (its pipeline stage, TP and EP shards). `initialize=False`
     skips the random initialisation, for models whose weights are loaded right after;
-    `routing_replay=True` gives every router megatron-core's RouterReplay (see moe/replay.py)."""
+    `routing_replay=True` gives every router megatron-core's RouterReplay (see moe/replay.py);
+    `grouped_experts=False` runs the experts as megatron-core's loop (see `block_spec`)."""
     use_te = transformer_engine_available() if use_te is None else use_te
     config = transformer_config(
         model,
@@ -219,7 +224,7 @@ def build_gpt_moe(
     )
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(config, use_te=use_te),
+        transformer_layer_spec=block_spec(config, use_te=use_te, grouped_experts=grouped_experts),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
