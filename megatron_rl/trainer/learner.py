@@ -171,12 +171,7 @@ def _with_advantages(
     minibatches: list[list[PolicyMicroBatch]], advantages: torch.Tensor
 ) -> list[list[PolicyMicroBatch]]:
     """Each micro-batch with its rows' `advantages` (`[B]`; 0 for filler rows)."""
-
-    def attach(micro: PolicyMicroBatch) -> PolicyMicroBatch:
-        rows = micro.row_ids
-        return replace(micro, advantages=torch.where(rows < 0, 0.0, advantages[rows.clamp(min=0)]))
-
-    return _each(minibatches, attach)
+    return _each(minibatches, lambda micro: micro.with_row_advantages(advantages))
 
 
 def _with_old_policy(

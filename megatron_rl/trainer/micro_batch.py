@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -70,6 +70,14 @@ class PolicyMicroBatch:
             return self
         moved = {item.name: _on_device(getattr(self, item.name), device) for item in fields(self)}
         return PolicyMicroBatch(**moved)
+
+    def with_row_advantages(self, advantages: Tensor) -> PolicyMicroBatch:
+        """This micro-batch with its rows' entries of the rollout batch's `[B]` `advantages`
+        (0 for filler rows); needs `row_ids`."""
+        if self.row_ids is None:
+            raise ValueError("with_row_advantages: the micro-batch has no row_ids")
+        rows = self.row_ids
+        return replace(self, advantages=torch.where(rows < 0, 0.0, advantages[rows.clamp(min=0)]))
 
     def first_rows(self, count: int) -> PolicyMicroBatch:
         """This padded micro-batch cut to its first `count` rows (itself when it has no more):

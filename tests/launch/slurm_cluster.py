@@ -25,6 +25,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -163,6 +164,21 @@ class SlurmCluster:
         )
         assert result.returncode == 0, result.stderr
         return result.stdout.strip().split(";")[0]
+
+    def launch(self, launch_args: list[str], *, cwd: Path, env: dict[str, str]) -> str:
+        """Submit through `megatron-rl launch <launch_args>`, as a user does, with the
+        submitter's environment `env` (plus SLURM_CONF); the job id."""
+        result = subprocess.run(
+            [sys.executable, "-m", "megatron_rl.cli", "launch", *launch_args],
+            env=env | {"SLURM_CONF": str(self.conf)},
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.startswith("submitted job "), result.stdout
+        return result.stdout.split()[2]
 
     def job(self, job_id: str) -> dict[str, str]:
         """scontrol's fields of the job (JobState, Restarts, ExitCode, ...)."""

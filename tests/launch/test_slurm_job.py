@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 
 import pytest
@@ -45,23 +43,11 @@ def cluster(tmp_path_factory):
 
 def _launch(cluster: SlurmCluster, run_dir, overrides: list[str]) -> str:
     """Submit a training job through the CLI, as a user does; the job id."""
-    return _submit(
-        cluster, ["slurm", str(RECIPE), *SHORT_RUN, f"run.dir={run_dir}", *overrides, *ONE_NODE]
-    )
-
-
-def _submit(cluster: SlurmCluster, launch_args: list[str]) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", "launch", *launch_args],
+    return cluster.launch(
+        ["slurm", str(RECIPE), *SHORT_RUN, f"run.dir={run_dir}", *overrides, *ONE_NODE],
         cwd=REPO,
-        env=train_environment() | {"SLURM_CONF": str(cluster.conf)},
-        capture_output=True,
-        text=True,
-        timeout=120,
+        env=train_environment(),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith("submitted job "), result.stdout
-    return result.stdout.split()[2]
 
 
 def _logged_steps(metrics) -> set[int]:
@@ -124,7 +110,11 @@ def test_a_preempted_job_checkpoints_requeues_resumes_and_repeats_torchrun(tmp_p
 def test_a_conversion_job_runs_on_two_ranks(tmp_path, cluster):
     out, logs = tmp_path / "tiny-ep2", tmp_path / "logs"
     convert = ["hf-to-mcore", f"--hf={TINY_MODEL}", f"--out={out}", "--ep=2"]
-    job_id = _submit(cluster, ["slurm-convert", *ONE_NODE, f"--log-dir={logs}", "--", *convert])
+    job_id = cluster.launch(
+        ["slurm-convert", *ONE_NODE, f"--log-dir={logs}", "--", *convert],
+        cwd=REPO,
+        env=train_environment(),
+    )
     fields = cluster.wait_for_job(
         job_id,
         lambda job: job["JobState"] not in ("PENDING", "RUNNING", "COMPLETING"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -76,12 +75,8 @@ def test_three_nodes_are_hosts_of_their_own_and_leave_nothing_behind(tmp_path):
 def _submit_two_node_job(cluster: SlurmCluster, run_dir: Path, overrides: list[str]) -> str:
     """The tiny recipe's short run + `overrides` through `megatron-rl launch slurm` on two
     trainer nodes, one rank each; the job id."""
-    submitted = subprocess.run(
+    return cluster.launch(
         [
-            sys.executable,
-            "-m",
-            "megatron_rl.cli",
-            "launch",
             "slurm",
             str(RECIPE),
             *SHORT_RUN,
@@ -92,13 +87,8 @@ def _submit_two_node_job(cluster: SlurmCluster, run_dir: Path, overrides: list[s
             "--device=cpu",
         ],
         cwd=REPO,
-        env=train_environment() | {"SLURM_CONF": str(cluster.conf)},
-        capture_output=True,
-        text=True,
-        timeout=120,
+        env=train_environment(),
     )
-    assert submitted.returncode == 0, submitted.stderr[-3000:]
-    return submitted.stdout.split()[2]
 
 
 def _ended(job: dict[str, str]) -> bool:

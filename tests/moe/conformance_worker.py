@@ -13,15 +13,11 @@ from megatron_rl.moe.replay import RoutingReplay
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed
 from megatron_rl.rollout.engine import Sample
-from megatron_rl.trainer.batches import (
-    EngineRouting,
-    RolloutBatch,
-    build_rollout_batch,
-    micro_batches,
-)
+from megatron_rl.trainer.batches import EngineRouting, RolloutBatch, build_rollout_batch
 from megatron_rl.trainer.optimizer import wrap_for_training
 from megatron_rl.trainer.schedule import old_policy_pass, policy_forward_backward
 from tests.moe.replay_worker import GRPO, MODELS, _build, _perturb_routers
+from tests.trainer.policy_worker import engine_old_share
 
 # prompt and response lengths of the rollouts: responses that end early (1 token) or run long,
 # so rows carry different amounts of padding; the longest row is 20 tokens (even: a sequence-
@@ -110,24 +106,15 @@ def _case(
             sp_rank=parallel_state.get_tensor_model_parallel_rank() if sequence_parallel else 0,
             sp_size=tp if sequence_parallel else 1,
         )
-    advantages = torch.linspace(-1.0, 1.0, batch.num_rows)
-    share = [
-        replace(
-            micro,
-            old_logp=micro.engine_logp,
-            advantages=torch.where(micro.row_ids < 0, 0.0, advantages[micro.row_ids.clamp(0)]),
-        )
-        for micro in micro_batches(
-            batch,
-            list(range(batch.num_rows)),
-            dp_rank=parallel_state.get_data_parallel_rank(),
-            dp_size=dims.dp,
-            micro_batch_size=2,
-            micro_batch_tokens=CUTS[cut],
-            width_multiple=tp if sequence_parallel else 1,
-            engine_routing=engine,
-        )
-    ]
+    share = engine_old_share(
+        batch,
+        torch.linspace(-1.0, 1.0, batch.num_rows),
+        dims.dp,
+        micro_batch_size=2,
+        micro_batch_tokens=CUTS[cut],
+        width_multiple=tp if sequence_parallel else 1,
+        engine_routing=engine,
+    )
     if source == "r2":  # the old-policy forward records what the routers choose
         computed = old_policy_pass(ddp, share, replay=replay, record_routing=True)
         share = [replace(m, routing=c.routing) for m, c in zip(share, computed, strict=True)]

@@ -28,10 +28,15 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.trainer import policy as policy_module
-from megatron_rl.trainer.batches import EngineRouting, build_rollout_batch, micro_batches
+from megatron_rl.trainer.batches import (
+    EngineRouting,
+    RolloutBatch,
+    build_rollout_batch,
+    micro_batches,
+)
 from megatron_rl.trainer.learner import learn, step_advantages
 from megatron_rl.trainer.metrics import StepTimer
-from megatron_rl.trainer.micro_batch import router_rows
+from megatron_rl.trainer.micro_batch import PolicyMicroBatch, router_rows
 from megatron_rl.trainer.optimizer_config import OptimConfig
 from megatron_rl.trainer.policy import Policy
 from megatron_rl.trainer.rank0_engine import Rank0Engine
@@ -79,24 +84,38 @@ class _LostUpdates(LocalEngine):
         self._version = version
 
 
-def _share(policy: Policy, batch, micro_batch_size: int) -> list:
-    """This rank's data-parallel share of all of `batch`'s rows, as micro-batches with their
-    group advantages and the engine's log-probs as the old ones."""
-    advantages = step_advantages(batch, AlgoConfig())
+def engine_old_share(
+    batch: RolloutBatch,
+    advantages: torch.Tensor,
+    dp_size: int,
+    *,
+    micro_batch_size: int,
+    micro_batch_tokens: int | None = None,
+    width_multiple: int = 1,
+    engine_routing: EngineRouting | None = None,
+) -> list[PolicyMicroBatch]:
+    """This rank's data-parallel share of all of `batch`'s rows, as micro-batches (cut as
+    `micro_batches` cuts them) with the rows' `advantages` (`[B]`) and the engine's log-probs
+    as the old ones."""
     return [
-        replace(
-            micro,
-            old_logp=micro.engine_logp,
-            advantages=torch.where(micro.row_ids < 0, 0.0, advantages[micro.row_ids.clamp(0)]),
-        )
+        replace(micro.with_row_advantages(advantages), old_logp=micro.engine_logp)
         for micro in micro_batches(
             batch,
             list(range(batch.num_rows)),
             dp_rank=parallel_state.get_data_parallel_rank(),
-            dp_size=policy.dims.dp,
+            dp_size=dp_size,
             micro_batch_size=micro_batch_size,
+            micro_batch_tokens=micro_batch_tokens,
+            width_multiple=width_multiple,
+            engine_routing=engine_routing,
         )
     ]
+
+
+def _share(policy: Policy, batch: RolloutBatch, micro_batch_size: int) -> list[PolicyMicroBatch]:
+    """`engine_old_share` with the batch's group advantages."""
+    advantages = step_advantages(batch, AlgoConfig())
+    return engine_old_share(batch, advantages, policy.dims.dp, micro_batch_size=micro_batch_size)
 
 
 def _one_update(policy: Policy, batch) -> float:
@@ -549,21 +568,9 @@ def token_budget_gradient(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]
     spec = PolicyLossSpec.of("gspo", clip_low=3e-4, clip_high=4e-4)
     result: dict = {}
     for name, tokens in (("rows", None), ("budget", 2 * int(batch.lengths.min()))):
-        share = [
-            replace(
-                micro,
-                old_logp=micro.engine_logp,
-                advantages=torch.where(micro.row_ids < 0, 0.0, advantages[micro.row_ids.clamp(0)]),
-            )
-            for micro in micro_batches(
-                batch,
-                list(range(batch.num_rows)),
-                dp_rank=parallel_state.get_data_parallel_rank(),
-                dp_size=dims.dp,
-                micro_batch_size=2,
-                micro_batch_tokens=tokens,
-            )
-        ]
+        share = engine_old_share(
+            batch, advantages, dims.dp, micro_batch_size=2, micro_batch_tokens=tokens
+        )
         policy.model.zero_grad_buffer()
         step = policy_forward_backward(policy.model, share, spec)
         result[name] = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -111,6 +113,20 @@ def test_the_routers_balance_over_every_token_when_none_or_all_are_padding():
     (filler,) = micro_batches(batch, [1], dp_rank=1, dp_size=2, micro_batch_size=1)
     assert filler.padding_mask.all() and filler.router_padding() is None
     assert filler.router_token_count() == 4
+
+
+def test_micro_batches_take_their_rows_advantages_and_filler_rows_none():
+    samples = [_sample([1, 2], [3]), _sample([1, 2], [3, 4]), _sample([1], [5, 6])]
+    batch = build_rollout_batch(
+        samples, torch.zeros(3), group_size=3, pad_id=0, newline_token_ids=[NEWLINE]
+    )
+    advantages = torch.tensor([0.5, -1.0, 2.0])
+    # rank 1 of 2 holds row 1 and a filler row
+    (micro,) = micro_batches(batch, [0, 1, 2], dp_rank=1, dp_size=2, micro_batch_size=2)
+    assert micro.row_ids.tolist() == [1, -1]
+    assert micro.with_row_advantages(advantages).advantages.tolist() == [-1.0, 0.0]
+    with pytest.raises(ValueError, match="row_ids"):
+        replace(micro, row_ids=None).with_row_advantages(advantages)
 
 
 def test_minibatches_cover_every_row_once_and_depend_on_the_seed():
