@@ -44,9 +44,11 @@ def main(argv: list[str]) -> int:
     pipe_fd = int(fd_text)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = subprocess.Popen(command, preexec_fn=_default_sigterm)  # one thread here: safe
+    # poll, not select: the fd keeps the starter's number, which may be past select's 1024
+    starter = select.poll()
+    starter.register(pipe_fd, select.POLLIN | select.POLLHUP)
     while child.poll() is None:
-        readable, _, _ = select.select([pipe_fd], [], [], 1.0)
-        if readable and not os.read(pipe_fd, 1):  # end of file: the starter is gone
+        if starter.poll(1000) and not os.read(pipe_fd, 1):  # end of file: the starter is gone
             _stop_group(child)
     code = child.returncode
     return 128 - code if code < 0 else code

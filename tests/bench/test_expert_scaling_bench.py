@@ -5,6 +5,7 @@ parameters hold, and a shape that cannot give them is refused."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch.nn.functional as F
@@ -56,11 +57,16 @@ def test_every_shape_runs_grouped_and_as_the_loop(monkeypatch):
 
 
 def test_the_cli_writes_the_report(tmp_path, monkeypatch):
-    monkeypatch.setattr(expert_scaling, "ExpertScalingSpec", lambda **given: TINY)
+    # one shape: each arm's process groups keep their descriptors open (gloo) until the end
+    one_shape = replace(TINY, shapes=((8, 4),))
+    monkeypatch.setattr(
+        expert_scaling, "ExpertScalingSpec", lambda **given: replace(one_shape, **given)
+    )
     out = tmp_path / "bench"
-    assert main(["bench", "experts", "--rounds", "2", "--out", str(out)]) == 0
+    args = ["bench", "experts", "--rounds", "1", "--steps", "1", "--seq", "8", "--layers", "1"]
+    assert main([*args, "--out", str(out)]) == 0
     report = json.loads((out / "expert_scaling.json").read_text())
-    assert len(report["arms"]) == 4
+    assert len(report["arms"]) == 2 and report["spec"]["rounds"] == 1
     table = (out / "expert_scaling.md").read_text()
     assert "| 8 experts top-4, loop | 4 |" in table
 
