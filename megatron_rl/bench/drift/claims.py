@@ -176,6 +176,16 @@ def _regime(rows: list[Row]) -> str:
     )
 
 
+def _machines(rows: list[Row]) -> str:
+    """For evidence built on times: which machines ran `rows` when they were more than one
+    (a grid resumed elsewhere), else nothing."""
+    counts = Counter(row["machine"] for row in rows if row.get("machine"))
+    if len(counts) < 2:
+        return ""
+    ran = ", ".join(f"{name}: {count}" for name, count in sorted(counts.items()))
+    return f"; times of runs on {len(counts)} machines ({ran} runs)"
+
+
 def _stable_as(candidate: list[Row], reference: list[Row]) -> tuple[bool, str]:
     """`candidate` is as stable as `reference` (module docstring), and the numbers."""
     events = sum(row["collapse_events"] for row in candidate)
@@ -447,7 +457,7 @@ def engine_logprobs_suffice(rows: list[Row]) -> Claim:
     verdict = PASS if stable and saved > 0 else FAIL
     evidence = (
         f"{text}; no old-policy forward saved {saved:.3f} s per step "
-        f"({saved / step:.1%} of GSPO's step)"
+        f"({saved / step:.1%} of GSPO's step){_machines(engine + forward)}"
     )
     return Claim(8, statement, verdict, evidence, _regime(forward))
 
@@ -470,6 +480,7 @@ def replay_is_cheap(rows: list[Row]) -> Claim:
     evidence = (
         f"{with_replay:.3f} vs {without:.3f} s per 1000 response tokens ({overhead:+.1%}); R2 "
         f"holds {memory / 2**20:.2f} MiB of recorded routing per step ({len(r2)}/{len(free)} runs)"
+        f"{_machines(r2 + free)}"
     )
     return Claim(
         9, statement, PASS if overhead < REPLAY_TIME_OVERHEAD else FAIL, evidence, _regime(free)
@@ -596,7 +607,7 @@ def frozen_router_as_stable_and_cheaper(rows: list[Row]) -> Claim:
             if step is None or step_r2 is None
             else f"{step:.2f} vs {step_r2:.2f} s per step"
         )
-        parts.append(f"{frozen[0]['cell']}: {text}; {steps}")
+        parts.append(f"{frozen[0]['cell']}: {text}; {steps}{_machines(frozen + r2)}")
     regime = _regime([r for r in rows if r["cell"] in names])
     return Claim(13, statement, PASS if holds else FAIL, "; ".join(parts), regime)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -100,7 +100,8 @@ def format_report(rows: list[Row], claims: list[Claim], plots: list[Plot]) -> st
         "",
         f"{len(rows)} runs: {len(done)} done, {len(crashed)} crashed, "
         f"{len(rows) - len(done) - len(crashed)} not run. Means over seeds, ± their standard "
-        "deviation; drift, mismatch and clip fractions are per-step means over each run.",
+        "deviation; drift, mismatch and clip fractions are per-step means over each run."
+        + _ran_on(rows),
         "",
         "The regime is measured by the papers' drift metric: after each optimizer update, the "
         "share of activated experts ((token, layer, chosen expert) triples) that the old "
@@ -137,6 +138,16 @@ def format_report(rows: list[Row], claims: list[Claim], plots: list[Plot]) -> st
     lines += ["", "## Plots", ""]
     lines += [f"### {title}\n\n![{title}]({name})\n" for title, name in plots]
     return "\n".join(lines) + "\n"
+
+
+def _ran_on(rows: list[Row]) -> str:
+    """Which machines ran the runs (as their status.json records it; runs of before
+    2026-12-05 record none)."""
+    counts = Counter(row["machine"] for row in rows if row.get("machine"))
+    if not counts:
+        return ""
+    ran = ", ".join(f"{name} ({count} runs)" for name, count in counts.most_common())
+    return f" Ran on: {ran}."
 
 
 def _measured_regime(rows: list[Row]) -> str:

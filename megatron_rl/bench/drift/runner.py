@@ -31,6 +31,7 @@ import yaml
 
 from megatron_rl.bench.drift import base_models
 from megatron_rl.bench.drift.grid import DriftGrid, GridError, PlannedRun, recipe_for
+from megatron_rl.bench.report import cpu_model
 from megatron_rl.files.atomic import write_text_atomic
 from megatron_rl.process import children
 
@@ -211,6 +212,8 @@ def _run_task(
             "returncode": code,
             "seconds": round(seconds, 1),
             "error": "" if code == 0 else error,
+            # a grid resumed elsewhere mixes machines: the time claims say so (claims.py)
+            "machine": cpu_model(),
         }
         write_text_atomic(directory / "status.json", json.dumps(status, indent=1) + "\n")
 

@@ -197,6 +197,7 @@ def summarize_run(
         "state": status["state"],
         "error": status.get("error", ""),
         "seconds": status.get("seconds"),
+        "machine": status.get("machine", ""),  # not recorded before 2026-12-05
         "steps": len(steps),
         "initial_accuracy": accuracies[0] if accuracies else None,
         "final_accuracy": accuracies[-1] if accuracies else None,

@@ -208,6 +208,23 @@ def test_replay_cost_claim_fails_above_its_threshold():
     assert verdict(claims.replay_is_cheap, arms("grpo")) == "NOT TESTED"
 
 
+def test_time_claims_say_when_their_runs_ran_on_several_machines():
+    one = [r | {"machine": "cpu A"} for r in arms("grpo", "grpo_r2", "grpo_frozen_router")]
+    for check in (claims.replay_is_cheap, claims.frozen_router_as_stable_and_cheaper):
+        assert "machines" not in check(one).evidence
+    # GRPO + R2 resumed on another machine; runs of before 2026-12-05 record none
+    mixed = change(one, "grpo_r2", machine="cpu B")
+    assert "times of runs on 2 machines (cpu A: 3, cpu B: 3 runs)" in (
+        claims.replay_is_cheap(mixed).evidence
+    )
+    assert "2 machines" in claims.frozen_router_as_stable_and_cheaper(mixed).evidence
+    unrecorded = change(one, "grpo_r2", machine="")
+    assert "machines" not in claims.replay_is_cheap(unrecorded).evidence
+    gspo = [r | {"machine": "cpu A"} for r in arms("gspo", "gspo_engine_logp")]
+    engine = change(gspo, "gspo_engine_logp", machine="cpu B")
+    assert "2 machines" in claims.engine_logprobs_suffice(engine).evidence
+
+
 def test_two_minibatches_need_r2():
     fine = arms("grpo", "grpo_r2", cell="updates_per_batch=2", updates_per_batch=2)
     unstable = change(fine, "grpo", collapse_events=1)

@@ -26,6 +26,7 @@ from megatron_rl.bench.drift.grid import (
     load_grid,
 )
 from megatron_rl.bench.drift.runner import check_model_build, check_results_dir
+from megatron_rl.bench.report import cpu_model
 from tests.trainer.run_cli import RECIPE, SHORT_RUN
 
 TINY = {
@@ -63,6 +64,10 @@ def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
         assert float(rows[arm]["drift_token_layer"]) >= 0
         assert (out / "runs" / f"{arm}--base--seed1" / "recipe.yaml").is_file()
     assert float(rows["grpo_r2"]["replay_miss_max"]) == 0.0
+    # each run records its machine (the grid may be resumed on another); the report names them
+    machine = cpu_model()
+    assert {row["machine"] for row in rows.values()} == {machine}
+    assert f"Ran on: {machine} (3 runs)." in report.read_text()
     for arm in ("grpo_r2", "gspo"):  # the routing probe's columns
         row = rows[arm]
         assert 0 <= float(row["update_activated"]) <= float(row["update_token_layer"]) <= 1

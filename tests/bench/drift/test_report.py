@@ -230,6 +230,12 @@ def test_report_text_states_the_regime_the_new_columns_and_each_cells_model_and_
     assert cells["near-ties"] == "4.00% ± 0.00%"
     assert "![Drift vs step](drift.png)" in text
     assert len([line for line in lines if line.split(".")[0].isdigit()]) == 21  # the claims
+    assert "Ran on" not in text  # rows of runs that recorded no machine
+    mixed = [r | {"machine": "cpu A" if i % 3 else "cpu B"} for i, r in enumerate(rows)]
+    shown = report.format_report(mixed, check_claims(mixed), [])
+    assert f"Ran on: cpu A ({len(rows) - len(rows[::3])} runs), cpu B ({len(rows[::3])} runs)." in (
+        shown
+    )
 
 
 def test_the_report_without_the_probes_columns_still_renders():
