@@ -311,7 +311,8 @@ def _add_drift(benches: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the built-in grid's quick subset: one seed, 12 steps, every claim (~20 min)",
+        help="the built-in grid's quick subset: one seed, 12 steps, every claim "
+        "(~15 min with --jobs 2 on 2 cores)",
     )
     parser.add_argument("--out", default="runs/bench/drift", help="results directory")
     parser.add_argument("--jobs", type=positive_int, default=1, help="runs at once (1 thread each)")

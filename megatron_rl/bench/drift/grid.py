@@ -178,7 +178,7 @@ DEFAULT_GRID: dict[str, Any] = {
 }
 
 # `--quick`: one seed, 12 steps, the fewest runs that give every claim a verdict (at lower
-# confidence: no seed spread). About 20 minutes with --jobs 2 once the base models are built.
+# confidence: no seed spread). 14 min 17 s with --jobs 2 on 2 cores (docs/drift.md).
 QUICK_GRID: dict[str, Any] = {
     "seeds": [1],
     "set": _PAPERS_SET | {"run.steps": 12, "run.eval_every": 4},
