@@ -1,6 +1,8 @@
-"""Where the time of `megatron-rl bench experts`' grouped arms goes: three training steps of the
-8-experts and the 64-experts arm under torch.profiler, the ops by self CPU time (docs/training.md,
-"Fine-grained experts: grouped GEMMs").
+"""Where the time of `megatron-rl bench experts`' grouped arms goes (docs/training.md,
+"Fine-grained experts: grouped GEMMs"): three training steps of the 8-experts and the
+64-experts arm under torch.profiler, the ops by self CPU time; then one layer's expert product
+alone at 64 experts (the weights stacked, grouped_mm forward and backward), to tell the stack's
+share of `aten::cat`.
 
     python scripts/profile_experts.py
 """
@@ -8,51 +10,54 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_rl.algo import PolicyLossSpec
 from megatron_rl.bench.expert_scaling import ExpertScalingSpec
-from megatron_rl.bench.train_step import TrainStepSpec, _rollouts
-from megatron_rl.models.build import build_gpt_moe
-from megatron_rl.parallel.dims import ParallelDims
-from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, shutdown_distributed
-from megatron_rl.trainer.optimizer import build_optimizer, wrap_for_training
-from megatron_rl.trainer.optimizer_config import OptimConfig
-from megatron_rl.trainer.schedule import policy_forward_backward
+from megatron_rl.bench.train_step import TrainStepSpec, training_step
 
 ARMS = ("8 experts top-2, grouped", "64 experts top-8, grouped")
 
 
 def profile_steps(spec: TrainStepSpec, steps: int = 3) -> str:
     """The op table of `steps` training steps of `spec`'s model after two warm-up steps."""
-    dims = ParallelDims(world_size=1)
-    init_distributed(dims, LaunchEnv.from_environ({}))
-    try:
-        model = wrap_for_training(build_gpt_moe(spec.model(), dims), distributed_optimizer=False)
-        optimizer = build_optimizer(model, OptimConfig(lr=1e-6))
-        loss = PolicyLossSpec.of("gspo", clip_low=3e-4, clip_high=4e-4, check_finite=False)
-        batches = _rollouts(spec, torch.device("cpu"))
-
-        def step() -> None:
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
-            policy_forward_backward(model, batches, loss)
-            optimizer.step()
-
+    with training_step(spec) as (step, _):
         step()
         step()
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
             for _ in range(steps):
                 step()
-    finally:
-        shutdown_distributed()
     return profiled.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+
+
+def profile_expert_product(spec: TrainStepSpec) -> str:
+    """The op table of one fc1 product of `spec`'s experts over one micro-batch's routed tokens
+    (as many per expert), forward and backward, as GroupedSequentialMLP runs it."""
+    rows = spec.micro_batch * spec.seq * spec.topk
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randn(rows, spec.hidden, generator=gen, requires_grad=True)
+    weights = [
+        torch.randn(2 * spec.moe_ffn, spec.hidden, generator=gen, requires_grad=True)
+        for _ in range(spec.experts)
+    ]
+    ends = (torch.arange(1, spec.experts + 1) * (rows // spec.experts)).to(torch.int32)
+    grad = torch.randn(rows, 2 * spec.moe_ffn, generator=gen)
+
+    def product() -> None:
+        out = F.grouped_mm(tokens, torch.stack(weights).transpose(1, 2), offs=ends)
+        out.backward(grad)
+
+    product()
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        product()
+    return profiled.key_averages().table(sort_by="self_cpu_time_total", row_limit=6)
 
 
 def main() -> None:
     arms = dict(ExpertScalingSpec().arms())
     for name in ARMS:
         print(f"== {name}: 3 steps\n{profile_steps(arms[name])}")
+    print(f"== {ARMS[1]}: one expert product\n{profile_expert_product(arms[ARMS[1]])}")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,15 @@ checks the matmul part against torch's FLOP counter on the built model.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from megatron.core.distributed import DistributedDataParallel
 
 from megatron_rl.algo import PolicyLossSpec
 from megatron_rl.bench.report import machine, now, resident_kib
@@ -138,16 +141,20 @@ def _rollouts(spec: TrainStepSpec, device: torch.device) -> list[PolicyMicroBatc
     return batches
 
 
-def run_benchmark(spec: TrainStepSpec) -> dict[str, object]:
-    """Train `spec`'s model on one rank (CUDA when there is one) and measure it."""
-    model_config = spec.model()
+@contextlib.contextmanager
+def training_step(
+    spec: TrainStepSpec,
+) -> Iterator[tuple[Callable[[], None], DistributedDataParallel]]:
+    """One rank's process groups, `spec`'s model (CUDA when there is one), Adam and synthetic
+    rollouts; yields a function that runs one optimizer step on them, and the model. The groups
+    are shut down after."""
     dims = ParallelDims(world_size=1)
     init_distributed(dims, LaunchEnv.from_environ({}))
     try:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model = wrap_for_training(
             build_gpt_moe(
-                model_config,
+                spec.model(),
                 dims,
                 recompute=spec.recompute,
                 grouped_experts=spec.grouped_experts,
@@ -157,25 +164,37 @@ def run_benchmark(spec: TrainStepSpec) -> dict[str, object]:
         optimizer = build_optimizer(model, OptimConfig(lr=1e-6))
         loss = PolicyLossSpec.of("gspo", clip_low=3e-4, clip_high=4e-4, check_finite=False)
         batches = _rollouts(spec, device)
-        seconds = []
-        for step in range(spec.steps + 1):
-            _synchronize(device)
-            start = time.perf_counter()
+
+        def step() -> None:
             model.zero_grad_buffer()  # as Policy.update does
             optimizer.zero_grad()
             policy_forward_backward(model, batches, loss)
             optimizer.step()
+
+        yield step, model
+    finally:
+        shutdown_distributed()
+
+
+def run_benchmark(spec: TrainStepSpec) -> dict[str, object]:
+    """Train `spec`'s model on one rank (CUDA when there is one) and measure it."""
+    model_config = spec.model()
+    with training_step(spec) as (step, model):
+        device = next(model.parameters()).device
+        seconds = []
+        for index in range(spec.steps + 1):
             _synchronize(device)
-            if step:  # the first is the warm-up
+            start = time.perf_counter()
+            step()
+            _synchronize(device)
+            if index:  # the first is the warm-up
                 seconds.append(time.perf_counter() - start)
         if device.type == "cuda":
             peak_mib = torch.cuda.max_memory_allocated(device) / 2**20
         else:
             peak_mib = resident_kib("VmHWM") / 1024
         parameters = sum(p.numel() for p in model.module.parameters())
-        peak = matmul_peak(spec.matmul_size, model_config.torch_dtype, device)
-    finally:
-        shutdown_distributed()
+    peak = matmul_peak(spec.matmul_size, model_config.torch_dtype, device)
     tokens = spec.micro_batches * spec.micro_batch * spec.seq
     step_s = statistics.median(seconds)
     flops = training_flops_per_token(model_config, spec.seq)

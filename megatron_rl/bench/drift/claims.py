@@ -176,10 +176,15 @@ def _regime(rows: list[Row]) -> str:
     )
 
 
+def machine_counts(rows: list[Row]) -> Counter[str]:
+    """How many of `rows` each machine ran (as status.json records it; older runs record none)."""
+    return Counter(row["machine"] for row in rows if row.get("machine"))
+
+
 def _machines(rows: list[Row]) -> str:
     """For evidence built on times: which machines ran `rows` when they were more than one
     (a grid resumed elsewhere), else nothing."""
-    counts = Counter(row["machine"] for row in rows if row.get("machine"))
+    counts = machine_counts(rows)
     if len(counts) < 2:
         return ""
     ran = ", ".join(f"{name}: {count}" for name, count in sorted(counts.items()))

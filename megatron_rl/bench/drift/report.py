@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from megatron_rl.bench.drift.claims import (
     Claim,
     check_claims,
     group_by,
+    machine_counts,
 )
 from megatron_rl.bench.drift.grid import DriftGrid
 from megatron_rl.bench.drift.runner import run_dir
@@ -143,7 +144,7 @@ def format_report(rows: list[Row], claims: list[Claim], plots: list[Plot]) -> st
 def _ran_on(rows: list[Row]) -> str:
     """Which machines ran the runs (as their status.json records it; runs of before
     2026-12-05 record none)."""
-    counts = Counter(row["machine"] for row in rows if row.get("machine"))
+    counts = machine_counts(rows)
     if not counts:
         return ""
     ran = ", ".join(f"{name} ({count} runs)" for name, count in counts.most_common())
