@@ -13,6 +13,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -22,6 +23,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from megatron_rl.models.config import Dispatcher, MoEModelConfig
 from megatron_rl.models.grouped_experts import GroupedSequentialMLP
+from megatron_rl.models.packed_attention import PackedDotProductAttention
 from megatron_rl.models.router import PaddingMaskedTopKRouter
 from megatron_rl.parallel.dims import ParallelDims
 
@@ -182,12 +184,16 @@ def block_spec(
     """The layers of this pipeline stage, dense or MoE as `config.moe_layer_freq` says: TE modules
     on GPU when available, megatron-core's torch ones else, with the routed experts in grouped
     GEMMs instead of a loop (`megatron_rl.models.grouped_experts`; `grouped_experts=False`
-    keeps megatron-core's loop, for benchmarks) and routers that leave padding out of their
-    expert-bias counts (`megatron_rl.models.router`)."""
+    keeps megatron-core's loop, for benchmarks), routers that leave padding out of their
+    expert-bias counts (`megatron_rl.models.router`) and, in place of the torch core attention,
+    one that also takes packed sequences (`megatron_rl.models.packed_attention`)."""
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization="RMSNorm"
     )
     for layer in spec.layer_specs:
+        attention = layer.submodules.self_attention.submodules
+        if attention.core_attention is DotProductAttention:
+            attention.core_attention = PackedDotProductAttention
         moe = layer.submodules.mlp.submodules
         experts = getattr(moe, "experts", None)
         if grouped_experts and experts is not None and experts.module is SequentialMLP:

@@ -145,6 +145,7 @@ def micro_batches(
     micro_batch_size: int,
     micro_batch_tokens: int | None = None,
     width_multiple: int = 1,
+    packed: bool = False,
     engine_routing: EngineRouting | None = None,
 ) -> list[PolicyMicroBatch]:
     """This DP rank's micro-batches of the minibatch `rows` (rows dp_rank, dp_rank + dp_size, ...
@@ -155,22 +156,34 @@ def micro_batches(
     budget): the share's rows longest first, each micro-batch as many of them as fit in
     `micro_batch_tokens` tokens (rows x width) and `micro_batch_size` rows, cut to the width of
     its longest row rounded up to `width_multiple` (a row wider than the budget alone); a rank
-    with fewer micro-batches than another adds micro-batches of one empty row."""
+    with fewer micro-batches than another adds micro-batches of one empty row.
+
+    `packed`: each micro-batch's rows back to back in one row (THD, `cu_seqlens`), no padding
+    but the tail that rounds its tokens up to `width_multiple` (an empty sequence of its own).
+    With a token budget the rows, longest first, go to the first micro-batch whose tokens they
+    fit, `micro_batch_tokens` tokens counted without padding and `micro_batch_size` ignored."""
+    lengths = batch.lengths
     if micro_batch_tokens is None:
         chunks = _row_chunks(rows, dp_rank, dp_size, micro_batch_size)
-        widths = [batch.tokens.shape[1]] * len(chunks)
+        widths = [
+            _packed_width(chunk, lengths, width_multiple) if packed else batch.tokens.shape[1]
+            for chunk in chunks
+        ]
     else:
-        lengths = batch.lengths
+        plan = _packed_chunks if packed else _token_budget_chunks
         plans = [
-            _token_budget_chunks(
-                rows[rank::dp_size], lengths, micro_batch_size, micro_batch_tokens, width_multiple
-            )
+            plan(rows[rank::dp_size], lengths, micro_batch_size, micro_batch_tokens, width_multiple)
             for rank in range(dp_size)
         ]
         count = max(len(plan) for plan in plans)
         chunks, widths = plans[dp_rank]
         chunks = chunks + [[-1]] * (count - len(chunks))
         widths = widths + [width_multiple] * (count - len(widths))
+    if packed:
+        return [
+            _packed_micro_batch(batch, chunk, width, lengths, engine_routing)
+            for chunk, width in zip(chunks, widths, strict=True)
+        ]
     padding = batch.padding_mask
     return [
         _micro_batch(batch, chunk, width, padding, engine_routing)
@@ -206,6 +219,74 @@ def _token_budget_chunks(
     return chunks, widths
 
 
+def _packed_chunks(
+    share: Sequence[int], lengths: Tensor, max_rows: int, budget: int, width_multiple: int
+) -> tuple[list[list[int]], list[int]]:
+    """`share`'s rows longest first, each into the first chunk it fits in `budget` tokens (first
+    fit decreasing; a longer row alone), and each chunk's packed width (`_packed_width`).
+    `max_rows` is not a bound: a packed micro-batch is one row."""
+    del max_rows
+    order = sorted(share, key=lambda row: (-int(lengths[row]), row))
+    chunks: list[list[int]] = []
+    totals: list[int] = []
+    for row in order:
+        length = int(lengths[row])
+        fits = next((i for i, total in enumerate(totals) if total + length <= budget), None)
+        if fits is None:
+            chunks.append([row])
+            totals.append(length)
+        else:
+            chunks[fits].append(row)
+            totals[fits] += length
+    return chunks, [_packed_width(chunk, lengths, width_multiple) for chunk in chunks]
+
+
+def _packed_width(chunk: Sequence[int], lengths: Tensor, width_multiple: int) -> int:
+    """The tokens of `chunk`'s rows (-1: none) rounded up to `width_multiple`, at least one."""
+    total = max(sum(int(lengths[row]) for row in chunk if row >= 0), 1)
+    return -(-total // width_multiple) * width_multiple
+
+
+def _packed_micro_batch(
+    batch: RolloutBatch,
+    chunk: list[int],
+    width: int,
+    lengths: Tensor,
+    engine_routing: EngineRouting | None,
+) -> PolicyMicroBatch:
+    """The rows `chunk` (-1: none) of `batch` back to back in one row `[1, width]`; the tokens
+    past theirs form one empty sequence (row id -1, all padding)."""
+    real = [row for row in chunk if row >= 0]
+    sizes = [int(lengths[row]) for row in real]
+    tail = width - sum(sizes)
+    offsets = torch.tensor([0, *sizes, *([tail] if tail else [])]).cumsum(0)
+
+    def packed(values: Tensor, fill: int | float | bool) -> Tensor:
+        parts = [values[row, :size] for row, size in zip(real, sizes, strict=True)]
+        return torch.cat([*parts, values.new_full((tail,), fill)])[None]
+
+    padding = torch.zeros(1, width, dtype=torch.bool)
+    padding[0, width - tail :] = True
+    return PolicyMicroBatch(
+        tokens=packed(batch.tokens, 0),
+        loss_mask=packed(batch.loss_mask, False),
+        old_logp=None,
+        engine_logp=packed(batch.engine_logp, 0.0),
+        segment_ids=packed(batch.segment_ids, -1),
+        row_ids=torch.tensor(real + [-1] * bool(tail)),
+        padding_mask=padding,
+        cu_seqlens=offsets,
+        routing=None
+        if engine_routing is None
+        else _replay_targets(
+            batch,
+            [(0, int(start), row) for start, row in zip(offsets, real, strict=False)],
+            (1, width),
+            engine_routing,
+        ),
+    )
+
+
 def _micro_batch(
     batch: RolloutBatch,
     chunk: list[int],
@@ -235,25 +316,34 @@ def _micro_batch(
         padding_mask=rows_of(padding, True) | empty[:, None],
         routing=None
         if engine_routing is None
-        else _replay_targets(batch, chunk, tokens.shape, engine_routing),
+        else _replay_targets(
+            batch,
+            [(i, 0, row) for i, row in enumerate(chunk) if row >= 0],
+            tuple(tokens.shape),
+            engine_routing,
+        ),
     )
 
 
 def _replay_targets(
-    batch: RolloutBatch, chunk: list[int], shape: torch.Size, engine_routing: EngineRouting
+    batch: RolloutBatch,
+    placed: list[tuple[int, int, int]],
+    shape: tuple[int, int],
+    engine_routing: EngineRouting,
 ) -> list[Tensor]:
-    """The engine's routing of the rows `chunk` (R3), per MoE layer of this rank's stage."""
-    placed = [(i, batch.samples[row]) for i, row in enumerate(chunk) if row >= 0]
-    records = [sample.routed_experts for _, sample in placed]
+    """The engine's routing (R3) of the rollout rows `placed` as (micro-batch row, first
+    column, rollout row) in a micro-batch of `shape`, per MoE layer of this rank's stage."""
+    samples = [batch.samples[row] for _, _, row in placed]
+    records = [sample.routed_experts for sample in samples]
     # the first record's width says which layers the engine records (all agree, or are refused)
     width = next((r.shape[1] for r in records if r is not None and r.dim() == 3), 0)
     columns = engine_layer_columns(width, engine_routing.num_layers, engine_routing.moe_layers)
     routing, _ = place_engine_routing(
         records,
-        rows=[i for i, _ in placed],
-        starts=[0] * len(placed),
-        lengths=[len(s.prompt_ids) + len(s.response_ids) for _, s in placed],
-        batch_shape=tuple(shape),
+        rows=[row for row, _, _ in placed],
+        starts=[start for _, start, _ in placed],
+        lengths=[len(s.prompt_ids) + len(s.response_ids) for s in samples],
+        batch_shape=shape,
         num_layers=width,
         topk=engine_routing.topk,
     )

@@ -39,6 +39,7 @@ def learn(
     *,
     micro_batch_size: int,
     micro_batch_tokens: int | None = None,
+    packed: bool = False,
     timer: StepTimer,
     seed: int,
     reference: ReferencePolicy | None = None,
@@ -48,7 +49,7 @@ def learn(
     `seed`, cut into `algo.updates_per_batch` minibatches, or one per row when there are fewer
     rows: `steps/updates` says how many; each minibatch into micro-batches of `micro_batch_size`
     rows, or with `micro_batch_tokens` of rows of like length within that token budget,
-    `megatron_rl.trainer.batches.micro_batches`), their old
+    `packed` back to back in one row, `megatron_rl.trainer.batches.micro_batches`), their old
     log-probs (`algo.old_logprobs`) and with `reference` the reference's, the group advantages,
     then one optimizer step per minibatch. Returns the step's training metrics.
 
@@ -64,6 +65,7 @@ def learn(
         algo,
         micro_batch_size=micro_batch_size,
         micro_batch_tokens=micro_batch_tokens,
+        packed=packed,
         seed=seed,
         with_engine_routing=with_engine_routing,
     )
@@ -126,6 +128,7 @@ def _minibatches(
     *,
     micro_batch_size: int,
     micro_batch_tokens: int | None,
+    packed: bool,
     seed: int,
     with_engine_routing: bool,
 ) -> list[list[PolicyMicroBatch]]:
@@ -146,6 +149,7 @@ def _minibatches(
             width_multiple=parallel_state.get_tensor_model_parallel_world_size()
             if sequence_parallel
             else 1,
+            packed=packed,
             engine_routing=engine_routing,
         )
         for chunk in minibatch_rows(batch.training_rows(), algo.updates_per_batch, seed=seed)

@@ -210,6 +210,7 @@ class Trainer:
             recipe.algo,
             micro_batch_size=recipe.run.micro_batch_size,
             micro_batch_tokens=recipe.run.micro_batch_tokens,
+            packed=recipe.run.packed_sequences,
             timer=timer,
             seed=recipe.run.seed + step,
             reference=self.reference,

@@ -284,6 +284,11 @@ class RunConfig:
     `micro_batch_size` rows, each pass as wide as its longest row, so little of the work is
     padding; a longer row gets a pass of its own. None: `micro_batch_size` rows per pass, all as
     wide as the step's longest row."""
+    packed_sequences: bool = False
+    """Each pass's rows back to back in one row (packed, THD: attention within each sequence,
+    positions restarting at each), so no position is padding but the few that round a pass up to
+    the TP size. With `micro_batch_tokens` the rows, longest first, fill passes up to that many
+    tokens whatever `micro_batch_size`; without, `micro_batch_size` rows per pass."""
     max_bad_steps: int = 3
     """Consecutive steps with a non-finite loss or gradient (skipped) before the run aborts."""
     collective_timeout_s: float = 600.0

@@ -92,6 +92,7 @@ def engine_old_share(
     micro_batch_size: int,
     micro_batch_tokens: int | None = None,
     width_multiple: int = 1,
+    packed: bool = False,
     engine_routing: EngineRouting | None = None,
 ) -> list[PolicyMicroBatch]:
     """This rank's data-parallel share of all of `batch`'s rows, as micro-batches (cut as
@@ -107,6 +108,7 @@ def engine_old_share(
             micro_batch_size=micro_batch_size,
             micro_batch_tokens=micro_batch_tokens,
             width_multiple=width_multiple,
+            packed=packed,
             engine_routing=engine_routing,
         )
     ]
@@ -555,10 +557,11 @@ def _first_response_token(micro) -> int:
 
 def token_budget_gradient(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]) -> dict:
     """The loss and gradient of one GSPO forward-backward over this rank's share of the same
-    rollouts, cut into micro-batches by rows (2 per micro-batch, the batch's width) and by a
-    token budget (rows of like length, each micro-batch as wide as its longest row), and how
-    many padding positions each way computed: the largest gradient difference (relative to the
-    largest gradient) and the largest gradient, over this rank's parameters."""
+    rollouts, cut into micro-batches by rows (2 per micro-batch, the batch's width), by a
+    token budget (rows of like length, each micro-batch as wide as its longest row) and packed
+    within that budget (rows back to back in one row), and how many padding positions each way
+    computed: per cut, the largest gradient difference from the rows' (relative to the largest
+    gradient), and the largest gradient, over this rank's parameters."""
     dims = ParallelDims(world_size=launch.world_size, **layout)
     init_distributed(dims, launch, seed=5)
     policy = Policy(ModelConfig(hf_path=hf_dir), dims, OptimConfig(lr=1e-3))
@@ -566,26 +569,37 @@ def token_budget_gradient(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]
     batch = _rollout_batch(engine, PromptCodec(hf_dir, max_prompt_tokens=64))
     advantages = step_advantages(batch, AlgoConfig())
     spec = PolicyLossSpec.of("gspo", clip_low=3e-4, clip_high=4e-4)
+    budget = 2 * int(batch.lengths.min())
+    cuts = {"rows": (None, False), "budget": (budget, False), "packed": (budget, True)}
     result: dict = {}
-    for name, tokens in (("rows", None), ("budget", 2 * int(batch.lengths.min()))):
+    grads = {}
+    for name, (tokens, packed) in cuts.items():
         share = engine_old_share(
-            batch, advantages, dims.dp, micro_batch_size=2, micro_batch_tokens=tokens
+            batch,
+            advantages,
+            dims.dp,
+            micro_batch_size=2,
+            micro_batch_tokens=tokens,
+            width_multiple=dims.tp,  # sequence parallelism splits each micro-batch over TP
+            packed=packed,
         )
         policy.model.zero_grad_buffer()
         step = policy_forward_backward(policy.model, share, spec)
+        grads[name] = {
+            n: p.main_grad.detach().clone() for n, p in policy.model.module.named_parameters()
+        }
         result[name] = {
             "loss": float(step.loss),
-            "grads": {
-                n: p.main_grad.detach().clone() for n, p in policy.model.module.named_parameters()
-            },
             "shapes": sorted({tuple(micro.tokens.shape) for micro in share}),
             "padding": sum(int(micro.padding_mask.sum()) for micro in share),
+            "tokens": sum(micro.tokens.numel() for micro in share),
         }
-    grads = {name: result[name].pop("grads") for name in ("rows", "budget")}
-    assert grads["rows"].keys() == grads["budget"].keys()
     largest = max(float(g.abs().max()) for g in grads["rows"].values())
     result["largest_grad"] = largest
-    result["grad_difference"] = (
-        max(float((grads["budget"][n] - g).abs().max()) for n, g in grads["rows"].items()) / largest
-    )
+    for name in ("budget", "packed"):
+        assert grads["rows"].keys() == grads[name].keys()
+        result[name]["grad_difference"] = (
+            max(float((grads[name][n] - g).abs().max()) for n, g in grads["rows"].items())
+            / largest
+        )
     return result

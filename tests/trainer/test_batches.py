@@ -273,3 +273,86 @@ def test_a_token_budget_gives_every_rank_as_many_micro_batches():
     )
     assert [mb.row_ids.tolist() for mb in filler] == [[1], [-1]]
     assert filler[1].padding_mask.all() and not filler[1].loss_mask.any()
+
+
+def test_packed_micro_batches_hold_the_rows_back_to_back_with_a_tail_to_the_tp_multiple():
+    lengths = [30, 5, 12, 29, 6, 11, 40, 7]
+    batch = _batch_of_lengths(lengths)
+    planned = micro_batches(
+        batch,
+        list(range(8)),
+        dp_rank=0,
+        dp_size=1,
+        micro_batch_size=2,  # no bound on a packed micro-batch's rows
+        micro_batch_tokens=64,
+        width_multiple=4,
+        packed=True,
+    )
+    # first fit, longest first: 40 + 12 + 11 (63: one tail token to 64); 30 + 29, and 5 joins
+    # them later (64); 7 fits neither, 6 joins it (13: three tail tokens to 16)
+    assert [mb.row_ids.tolist() for mb in planned] == [[6, 2, 5, -1], [0, 3, 1], [7, 4, -1]]
+    for mb in planned:
+        assert mb.tokens.shape[0] == 1 and mb.tokens.shape[1] % 4 == 0
+        offsets = mb.cu_seqlens.tolist()
+        assert offsets[0] == 0 and offsets[-1] == mb.tokens.shape[1]
+        for i, row in enumerate(mb.row_ids.tolist()):
+            start, end = offsets[i], offsets[i + 1]
+            if row < 0:  # the tail: padding, no loss, one empty sequence
+                assert mb.padding_mask[0, start:end].all() and not mb.loss_mask[0, start:end].any()
+                continue
+            assert end - start == lengths[row]
+            assert torch.equal(mb.tokens[0, start:end], batch.tokens[row, : lengths[row]])
+            assert torch.equal(mb.loss_mask[0, start:end], batch.loss_mask[row, : lengths[row]])
+            assert torch.equal(mb.engine_logp[0, start:end], batch.engine_logp[row, : end - start])
+            assert not mb.padding_mask[0, start:end].any()
+            assert not mb.loss_mask[0, end - 1]  # a sequence's last token predicts nothing
+    assert sum(int(mb.loss_mask.sum()) for mb in planned) == int(batch.loss_mask.sum())
+    assert sum(int(mb.padding_mask.sum()) for mb in planned) == 1 + 3
+    # the loss's rows: one per sequence, the tail an empty one
+    rows = planned[0].as_rows(planned[0].engine_logp, planned[0].engine_logp)
+    assert rows.loss_mask.shape == (4, 40) and not rows.loss_mask[3].any()
+
+
+def test_packed_micro_batches_by_rows_and_the_filler_of_a_short_rank():
+    batch = _batch_of_lengths([40, 38, 36, 5, 6, 7])
+    by_rows = micro_batches(
+        batch, list(range(6)), dp_rank=0, dp_size=1, micro_batch_size=4, packed=True
+    )
+    assert [mb.row_ids.tolist() for mb in by_rows] == [[0, 1, 2], [3, 4, 5]]
+    assert [tuple(mb.tokens.shape) for mb in by_rows] == [(1, 114), (1, 18)]
+    assert not any(mb.padding_mask.any() for mb in by_rows)
+    filler = micro_batches(
+        batch,
+        [0, 1, 2],
+        dp_rank=1,
+        dp_size=2,
+        micro_batch_size=8,
+        micro_batch_tokens=40,
+        width_multiple=2,
+        packed=True,
+    )
+    assert [mb.row_ids.tolist() for mb in filler] == [[1], [-1]]
+    assert filler[1].tokens.shape == (1, 2) and filler[1].padding_mask.all()
+    assert filler[1].cu_seqlens.tolist() == [0, 2] and not filler[1].loss_mask.any()
+
+
+def test_engine_routing_lands_at_each_packed_sequence_offset():
+    samples = [_sample([1, 2, 3], [4, 5], routed=True), _sample([6], [7], routed=True)]
+    batch = build_rollout_batch(
+        samples, torch.ones(2), group_size=2, pad_id=0, newline_token_ids=[NEWLINE]
+    )
+    routing = EngineRouting(num_layers=2, moe_layers=(0, 1), stage_layers=(0, 1), topk=2)
+    (micro,) = micro_batches(
+        batch,
+        [0, 1],
+        dp_rank=0,
+        dp_size=1,
+        micro_batch_size=2,
+        width_multiple=4,
+        packed=True,
+        engine_routing=routing,
+    )
+    assert micro.cu_seqlens.tolist() == [0, 5, 7, 8]
+    layer1 = micro.routing[1]  # [tokens, topk], the packed row's order
+    torch.testing.assert_close(layer1[:4], samples[0].routed_experts[:, 1].long())
+    torch.testing.assert_close(layer1[5:6], samples[1].routed_experts[:, 1].long())

@@ -180,17 +180,27 @@ def test_the_routing_probe_measures_a_known_change_of_routing():
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    ("world_size", "layout"), [(1, {}), (2, {"pp": 2}), (2, {})], ids=["one_rank", "pp2", "dp2"]
+    ("world_size", "layout"),
+    [(1, {}), (2, {"pp": 2}), (2, {}), (2, {"tp": 2}), (2, {"ep": 2})],
+    ids=["one_rank", "pp2", "dp2", "tp2", "ep2"],
 )
-def test_token_budget_micro_batches_give_the_same_loss_and_gradient(world_size, layout):
+def test_token_budget_and_packed_micro_batches_give_the_same_loss_and_gradient(
+    world_size, layout
+):
     results = run_on_ranks(
         policy_worker.token_budget_gradient, TINY_MODEL, layout, world_size=world_size
     )
     for result in results:
-        rows, budget = result["rows"], result["budget"]
+        rows, budget, packed = result["rows"], result["budget"], result["packed"]
         # micro-batches of several widths (the pipeline stages pass each activation's shape)
         assert len(budget["shapes"]) > 1 and len(rows["shapes"]) == 1
+        assert all(shape[0] == 1 for shape in packed["shapes"])  # one row of many sequences
         assert budget["padding"] < rows["padding"]
+        # packed: only the tails that round a pass up to the TP size
+        assert packed["padding"] < layout.get("tp", 1) * len(packed["shapes"])
+        assert packed["padding"] <= budget["padding"] and packed["tokens"] <= budget["tokens"]
         if not math.isnan(rows["loss"]):  # the last pipeline stage's
             assert budget["loss"] == pytest.approx(rows["loss"], rel=1e-5, abs=1e-7)
-        assert result["largest_grad"] > 1e-4 and result["grad_difference"] < 1e-5
+            assert packed["loss"] == pytest.approx(rows["loss"], rel=1e-5, abs=1e-7)
+        assert result["largest_grad"] > 1e-4
+        assert budget["grad_difference"] < 1e-5 and packed["grad_difference"] < 1e-5
