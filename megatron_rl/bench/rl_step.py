@@ -8,7 +8,8 @@ after the other on the same machine:
 - megatron-rl lock-step (`examples/moe/tiny_gspo.yaml`), with `rollout.max_staleness=1` (the
   engine on the trainer's thread, or in a process of its own), with the engine's log-probs as
   the old ones (`algo.mismatch=bypass`), with token-budget micro-batches
-  (`run.micro_batch_tokens`), and with an SGLang server
+  (`run.micro_batch_tokens`), packed within the same budget (`run.packed_sequences`), and with
+  an SGLang server
   (`examples/moe/tiny_gspo_sglang.yaml`; needs .venv-sglang);
 - TRL 1.16's GRPOTrainer with importance_sampling_level="sequence" (GSPO), in its own
   environment (.venv-trl, made by scripts/install_trl_bench.sh; megatron_rl/bench/peers).
@@ -57,6 +58,10 @@ MEGATRON_ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "megatron-rl engine log-probs": ("examples/moe/tiny_gspo.yaml", ("algo.mismatch=bypass",)),
     # 32 rows of 64 tokens, the default micro_batch_size at about the task's sequence length
     "megatron-rl token budget": ("examples/moe/tiny_gspo.yaml", ("run.micro_batch_tokens=2048",)),
+    "megatron-rl packed": (
+        "examples/moe/tiny_gspo.yaml",
+        ("run.micro_batch_tokens=2048", "run.packed_sequences=true"),
+    ),
     "megatron-rl SGLang": ("examples/moe/tiny_gspo_sglang.yaml", ()),
 }
 TRL_ARM = "TRL GRPOTrainer (GSPO)"

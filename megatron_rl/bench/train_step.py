@@ -143,11 +143,11 @@ def _rollouts(spec: TrainStepSpec, device: torch.device) -> list[PolicyMicroBatc
 
 @contextlib.contextmanager
 def training_step(
-    spec: TrainStepSpec,
+    spec: TrainStepSpec, batches: list[PolicyMicroBatch] | None = None
 ) -> Iterator[tuple[Callable[[], None], DistributedDataParallel]]:
-    """One rank's process groups, `spec`'s model (CUDA when there is one), Adam and synthetic
-    rollouts; yields a function that runs one optimizer step on them, and the model. The groups
-    are shut down after."""
+    """One rank's process groups, `spec`'s model (CUDA when there is one), Adam and `batches`
+    (default: `spec`'s synthetic rollouts); yields a function that runs one optimizer step on
+    them, and the model. The groups are shut down after."""
     dims = ParallelDims(world_size=1)
     init_distributed(dims, LaunchEnv.from_environ({}))
     try:
@@ -163,7 +163,9 @@ def training_step(
         )
         optimizer = build_optimizer(model, OptimConfig(lr=1e-6))
         loss = PolicyLossSpec.of("gspo", clip_low=3e-4, clip_high=4e-4, check_finite=False)
-        batches = _rollouts(spec, device)
+        batches = (
+            _rollouts(spec, device) if batches is None else [micro.to(device) for micro in batches]
+        )
 
         def step() -> None:
             model.zero_grad_buffer()  # as Policy.update does
@@ -176,19 +178,25 @@ def training_step(
         shutdown_distributed()
 
 
+def timed_steps(step: Callable[[], None], device: torch.device, steps: int) -> list[float]:
+    """Seconds of each of `steps` calls of `step`, after one warm-up call not timed."""
+    seconds = []
+    for index in range(steps + 1):
+        _synchronize(device)
+        start = time.perf_counter()
+        step()
+        _synchronize(device)
+        if index:
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
 def run_benchmark(spec: TrainStepSpec) -> dict[str, object]:
     """Train `spec`'s model on one rank (CUDA when there is one) and measure it."""
     model_config = spec.model()
     with training_step(spec) as (step, model):
         device = next(model.parameters()).device
-        seconds = []
-        for index in range(spec.steps + 1):
-            _synchronize(device)
-            start = time.perf_counter()
-            step()
-            _synchronize(device)
-            if index:  # the first is the warm-up
-                seconds.append(time.perf_counter() - start)
+        seconds = timed_steps(step, device, spec.steps)
         if device.type == "cuda":
             peak_mib = torch.cuda.max_memory_allocated(device) / 2**20
         else:

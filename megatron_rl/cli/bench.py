@@ -236,6 +236,18 @@ BENCH_COMMANDS = {
             )
         ),
     ),
+    "packing": _BenchCommand(
+        "megatron_rl.bench.packing",
+        "training step over rollouts of unlike lengths: rows, a token budget, packed (THD)",
+        (
+            ("--rounds", {"type": positive_int, "default": 3, "help": "interleaved rounds"}),
+            ("--steps", {"type": positive_int, "default": 3, "help": "timed steps per round"}),
+            ("--layers", {"type": positive_int, "default": 4, "help": "layers"}),
+        ),
+        lambda bench, args: bench.run_benchmark(
+            bench.PackingSpec(rounds=args.rounds, steps=args.steps, layers=args.layers)
+        ),
+    ),
     "train-step": _BenchCommand(
         "megatron_rl.bench.train_step",
         "training step of a random MoE on one rank: tokens/s and MFU against the matmul peak",

@@ -1,9 +1,9 @@
 """The parallel layout and what crosses ranks: process groups, collectives, CPU patches,
 vocab-parallel log-probs, values across pipeline stages.
 
-Paths only tests take: `packing.py` (packed THD micro-batches) and `context.py` (context
-parallelism), with the packed branches of `megatron_rl.trainer.micro_batch.PolicyMicroBatch`.
-They are kept for GPU users and tested at the loss level, but the trainer pads its micro-batches
-and refuses `parallel.cp > 1`: both need Transformer Engine's attention in the model
+`packing.py` turns packed (THD) micro-batches into the loss's rows (`run.packed_sequences`; the
+model's attention over them: `megatron_rl.models.packed_attention`). A path only tests take:
+`context.py` (context parallelism), kept for GPU users and tested at the loss level; the trainer
+refuses `parallel.cp > 1`, which needs Transformer Engine's attention in the model
 (docs/parallelism.md).
 """

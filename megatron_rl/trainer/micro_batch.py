@@ -47,8 +47,9 @@ class PolicyMicroBatch:
             and every position of a filler row; None when there is none. The routers leave
             padding out of their load balancing (`router_padding`).
 
-    The packed (THD) form is built and checked by the tests but not by training yet: the
-    trainer pads (see `megatron_rl.parallel`, paths only tests take).
+    The trainer builds the packed form with `run.packed_sequences`
+    (`megatron_rl.trainer.batches.micro_batches`); its tail past the last sequence, when the
+    tokens are rounded up to the TP size, is one empty sequence of padding (row id -1).
     """
 
     tokens: Tensor
@@ -126,7 +127,8 @@ class PolicyMicroBatch:
         return torch.arange(seq, device=self.tokens.device).expand(batch, seq)
 
     def packed_seq_params(self) -> PackedSeqParams | None:
-        """Megatron-core's THD attention parameters (Transformer Engine attention only)."""
+        """Megatron-core's THD attention parameters (Transformer Engine's attention, or
+        `megatron_rl.models.packed_attention` without it), None when padded."""
         if self.cu_seqlens is None:
             return None
         cu_seqlens = self.cu_seqlens.to(torch.int32)

@@ -23,8 +23,10 @@ from tests.trainer.policy_worker import engine_old_share
 # so rows carry different amounts of padding; the longest row is 20 tokens (even: a sequence-
 # parallel split of the padded width)
 LENGTHS = [(4, 1), (3, 9), (5, 15), (4, 6), (3, 2), (5, 11)]
-# the cuts of each rank's rows into micro-batches: 2 rows at the batch's width; a token budget
-CUTS = {"rows": None, "token_budget": 24}
+# the cuts of each rank's rows into micro-batches, (token budget, packed): 2 rows at the batch's
+# width; rows of like length within a budget, each micro-batch as wide as its longest row; the
+# rows packed back to back within the budget (THD)
+CUTS = {"rows": (None, False), "token_budget": (24, False), "packed": (24, True)}
 
 
 def _rollouts(vocab_size: int, record_layers: int, topk: int, num_experts: int) -> RolloutBatch:
@@ -111,8 +113,9 @@ def _case(
         torch.linspace(-1.0, 1.0, batch.num_rows),
         dims.dp,
         micro_batch_size=2,
-        micro_batch_tokens=CUTS[cut],
+        micro_batch_tokens=CUTS[cut][0],
         width_multiple=tp if sequence_parallel else 1,
+        packed=CUTS[cut][1],
         engine_routing=engine,
     )
     if source == "r2":  # the old-policy forward records what the routers choose

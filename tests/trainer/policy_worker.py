@@ -599,7 +599,6 @@ def token_budget_gradient(launch: LaunchEnv, hf_dir: str, layout: dict[str, int]
     for name in ("budget", "packed"):
         assert grads["rows"].keys() == grads[name].keys()
         result[name]["grad_difference"] = (
-            max(float((grads[name][n] - g).abs().max()) for n, g in grads["rows"].items())
-            / largest
+            max(float((grads[name][n] - g).abs().max()) for n, g in grads["rows"].items()) / largest
         )
     return result

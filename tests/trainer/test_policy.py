@@ -184,9 +184,7 @@ def test_the_routing_probe_measures_a_known_change_of_routing():
     [(1, {}), (2, {"pp": 2}), (2, {}), (2, {"tp": 2}), (2, {"ep": 2})],
     ids=["one_rank", "pp2", "dp2", "tp2", "ep2"],
 )
-def test_token_budget_and_packed_micro_batches_give_the_same_loss_and_gradient(
-    world_size, layout
-):
+def test_token_budget_and_packed_micro_batches_give_the_same_loss_and_gradient(world_size, layout):
     results = run_on_ranks(
         policy_worker.token_budget_gradient, TINY_MODEL, layout, world_size=world_size
     )
