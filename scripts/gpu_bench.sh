@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything a lent GPU is for, in one run: the GPU tests (scripts/gpu_check.sh), the training
 # step of a ~3 B-parameter MoE in bf16 (tokens/s and MFU against the matrix-product peak
-# measured in the same run; with and without recompute), and the log-prob kernel against the
-# memory-bandwidth floor. Results under $OUT (default /tmp/gpu-bench): JSON + markdown per
-# benchmark, the logs, nvidia-smi's view of the GPU. SGLang is not on the GPU machine's image and
+# measured in the same run; with and without recompute), the log-prob kernel against the
+# memory-bandwidth floor, padding's cost (rows, token budget, packed) and fine-grained experts.
+# Results under $OUT (default /tmp/gpu-bench): JSON + markdown per benchmark, the logs, nvidia-smi's view of the GPU. SGLang is not on the GPU machine's image and
 # too large to carry (64 MiB), so weight sync into a GPU SGLang server is not measured here.
 # Carry megatron-core (and any pin the image lacks) as wheels in .whl/ (scripts/gpu_check.sh).
 set -uo pipefail
@@ -28,3 +28,7 @@ bench() {  # NAME ARGS...: one benchmark, its output under $out/NAME
 bench train-step train-step --micro-batch 1 --micro-batches 4
 bench train-step-recompute train-step --micro-batch 4 --micro-batches 2 --recompute
 bench logprobs logprobs --device cuda --tokens 16384 --repeats 10
+# rows vs token budget vs packed: Transformer Engine's THD attention where the image has TE,
+# megatron_rl.models.packed_attention on CUDA otherwise
+bench packing packing
+bench experts experts
