@@ -175,7 +175,7 @@ def micro_batches(
             plan(rows[rank::dp_size], lengths, micro_batch_size, micro_batch_tokens, width_multiple)
             for rank in range(dp_size)
         ]
-        count = max(len(plan) for plan in plans)
+        count = max(len(chunks) for chunks, _ in plans)
         chunks, widths = plans[dp_rank]
         chunks = chunks + [[-1]] * (count - len(chunks))
         widths = widths + [width_multiple] * (count - len(widths))
@@ -332,7 +332,12 @@ def _replay_targets(
     engine_routing: EngineRouting,
 ) -> list[Tensor]:
     """The engine's routing (R3) of the rollout rows `placed` as (micro-batch row, first
-    column, rollout row) in a micro-batch of `shape`, per MoE layer of this rank's stage."""
+    column, rollout row) in a micro-batch of `shape`, per MoE layer of this rank's stage; a
+    filler micro-batch (no row) gets experts 0..topk-1 everywhere, as any unrouted position."""
+    if not placed:
+        layers, topk = len(engine_routing.stage_layers), engine_routing.topk
+        filler = torch.arange(topk).expand(*shape, layers, topk)
+        return router_order(filler, sp_rank=engine_routing.sp_rank, sp_size=engine_routing.sp_size)
     samples = [batch.samples[row] for _, _, row in placed]
     records = [sample.routed_experts for sample in samples]
     # the first record's width says which layers the engine records (all agree, or are refused)

@@ -356,3 +356,57 @@ def test_engine_routing_lands_at_each_packed_sequence_offset():
     layer1 = micro.routing[1]  # [tokens, topk], the packed row's order
     torch.testing.assert_close(layer1[:4], samples[0].routed_experts[:, 1].long())
     torch.testing.assert_close(layer1[5:6], samples[1].routed_experts[:, 1].long())
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_every_rank_runs_as_many_budget_passes_as_the_busiest_and_no_more(packed):
+    # rank 0 holds rows 0, 2, 4 (40, 36, 38 tokens: three passes of a 40-token budget); rank 1
+    # rows 1, 3, 5 (5, 6, 7: one pass)
+    batch = _batch_of_lengths([40, 5, 36, 6, 38, 7])
+    per_rank = [
+        micro_batches(
+            batch,
+            list(range(6)),
+            dp_rank=rank,
+            dp_size=2,
+            micro_batch_size=8,
+            micro_batch_tokens=40,
+            packed=packed,
+        )
+        for rank in range(2)
+    ]
+    assert [len(passes) for passes in per_rank] == [3, 3]
+    assert [mb.row_ids.tolist() for mb in per_rank[1]] == [[5, 3, 1], [-1], [-1]]
+    alone = micro_batches(
+        batch, [1, 3], dp_rank=0, dp_size=1, micro_batch_size=8, micro_batch_tokens=40
+    )
+    assert [mb.row_ids.tolist() for mb in alone] == [[3, 1]]  # one rank: no filler pass
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_filler_pass_of_an_r3_step_replays_the_default_experts(packed):
+    samples = [_sample([1, 2, 3], [4] * n, routed=True) for n in (30, 2, 28, 3)]
+    batch = build_rollout_batch(
+        samples, torch.ones(4), group_size=4, pad_id=0, newline_token_ids=[NEWLINE]
+    )
+    routing = EngineRouting(
+        num_layers=2, moe_layers=(0, 1), stage_layers=(0, 1), topk=2, sp_rank=1, sp_size=2
+    )
+    passes = micro_batches(
+        batch,
+        [0, 1, 2, 3],
+        dp_rank=1,
+        dp_size=2,
+        micro_batch_size=8,
+        micro_batch_tokens=40,
+        width_multiple=2,
+        packed=packed,
+        engine_routing=routing,
+    )
+    # rank 1 holds rows 1 and 3 (5 and 6 tokens: one pass); rank 0 rows 0 and 2 (two passes)
+    assert [mb.row_ids.tolist()[:2] for mb in passes] == [[3, 1], [-1]]
+    filler = passes[1]
+    assert len(filler.routing) == 2
+    for layer in filler.routing:  # this SP rank's half of the filler's tokens
+        assert layer.shape == (filler.tokens.numel() // 2, 2)
+        assert torch.equal(layer, torch.arange(2).expand_as(layer))

@@ -55,7 +55,8 @@ def _check_run(result, run_dir, *, entropy_bonus: bool = False) -> dict[int, dic
         ("gspo", "none", ["algo.mismatch=tis", "algo.mismatch_level=geometric"]),
         ("sspo", "none", []),
         ("grpo", "r2", ["algo.mismatch=icepop", "algo.entropy_coef=1e-3"]),
-        ("grpo", "r3", []),
+        # R3 on packed passes: the engine's routing at each sequence's offset
+        ("grpo", "r3", ["run.packed_sequences=true", "run.micro_batch_tokens=1024"]),
     ],
 )
 def test_each_loss_runs_end_to_end(tmp_path, loss, replay, terms):
@@ -75,6 +76,8 @@ def test_each_loss_runs_end_to_end(tmp_path, loss, replay, terms):
         assert ("loss/entropy_bonus" in metrics[step]) == bonus
     if loss == "sspo":
         assert metrics[1]["segments/per_seq"] > 1  # one segment per line of working
+    packed = "run.packed_sequences=true" in terms
+    assert (metrics[1]["trainer/padding_frac"] == 0) == packed  # one TP rank: no tail
     # The routing the updated weights would choose, against the old (or replayed) one.
     assert 0 <= metrics[2]["routing/drift_token_layer"] <= metrics[2]["routing/drift_token_any"]
     assert 0 < metrics[2]["routing/drift_jaccard"] <= 1
