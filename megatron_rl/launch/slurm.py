@@ -313,6 +313,7 @@ def _rollout_block(
     block = (
         _ROLLOUT_BLOCK.replace("@ROLLOUT_NODES@", str(rollout.nodes))
         .replace("@PER_NODE@", str(rollout.per_node))
+        .replace("@SERVERS@", str(rollout.nodes * rollout.per_node))
         .replace("@GPUS_PER_TASK@", gpus)
         .replace("@SERVE_ARGS@", shlex.join([str(recipe_path), *overrides]))
         .replace("@PORTS@", " ".join(map(str, rollout.ports)))
@@ -427,8 +428,8 @@ echo "megatron-rl: job $SLURM_JOB_ID on $trainer_list"
 
 # One job step on the trainer nodes: megatron_rl.launch.node (torchrun) on each.
 _NODE_STEP = """\
-srun --nodes=@TRAINER_NODES@ --ntasks-per-node=1 --nodelist="$trainer_list" \\
-  --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 \\
+srun --nodes=@TRAINER_NODES@ --ntasks=@TRAINER_NODES@ --ntasks-per-node=1 \\
+  --nodelist="$trainer_list" --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 \\
   --output="$log_dir/%x-%j-@STEP_NAME@-%N.out" --open-mode=append \\
   "$python" -m megatron_rl.launch.node --nodes "$trainer_list" --nproc-per-node @GPUS@ \\
   --master-addr "$master_addr" --master-port "$master_port"@GRACEFUL@ -- \\
@@ -441,7 +442,8 @@ if ! command -v curl >/dev/null; then
   echo "megatron-rl: curl is needed to wait for the rollout servers" >&2
   exit 1
 fi
-srun --nodes=@ROLLOUT_NODES@ --ntasks-per-node=@PER_NODE@@GPUS_PER_TASK@ \\
+# --ntasks: the job's own count (every node's task) would reach this step from its environment
+srun --nodes=@ROLLOUT_NODES@ --ntasks=@SERVERS@ --ntasks-per-node=@PER_NODE@@GPUS_PER_TASK@ \\
   --nodelist="$(IFS=,; echo "${rollout_nodes[*]}")" \\
   --output="$log_dir/%x-%j-rollout-%N-%t.out" --open-mode=append \\
   "$python" -m megatron_rl.launch.rollout_server @SERVE_ARGS@ &

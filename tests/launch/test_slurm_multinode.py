@@ -157,3 +157,47 @@ def test_a_network_cut_between_trainer_nodes_fails_the_ranks_within_the_collecti
         cluster.stop()
     assert logs.count(failed) >= 2 and ended < 2 * timeout_s, (ended, logs[-3000:])
     assert not list(run_dir.glob("checkpoints/.*partial"))
+
+
+SGLANG_RECIPE = REPO / "examples" / "moe" / "tiny_gspo_sglang.yaml"
+
+
+def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path):
+    """`--nodes 2 --rollout-nodes 1`: the trainer's ranks on the first two nodes, a real SGLang
+    server (CPU) on the third, the weights synced into it over the shared disk after every step:
+    the server samples from the trainer's weights of each step (its log-probs are the trainer's,
+    the probe after each sync passes)."""
+    cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
+    try:
+        run_dir = tmp_path / "rollout-node"
+        job_id = cluster.launch(
+            [
+                "slurm",
+                str(SGLANG_RECIPE),
+                *SHORT_RUN,
+                f"run.dir={run_dir}",
+                "rollout.sglang.weight_sync=disk",
+                "--nodes=2",
+                "--rollout-nodes=1",
+                "--gpus-per-node=1",
+                "--device=cpu",
+            ],
+            cwd=REPO,
+            env=train_environment(),
+        )
+        fields = cluster.wait_for_job(job_id, _ended, timeout_s=420, what="finished")
+        logs = _job_logs(run_dir)
+    finally:
+        cluster.stop()
+    assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
+    trainers, rollout = cluster.network.hostnames[:2], cluster.network.hostnames[2]
+    server_logs = list((run_dir / "slurm").glob(f"*-rollout-{rollout}-0.out"))
+    assert len(server_logs) == 1 and "sglang" in server_logs[0].read_text()
+    assert all(host in logs for host in trainers), logs[-3000:]
+    metrics = read_metrics(run_dir)
+    for step in (1, 2):
+        record = metrics[step]
+        # the server computes in float32 like the trainer, from the weights synced before
+        assert record["mismatch/k3"] < 1e-6, record
+        assert record["sync/probe_mean_abs_diff"] < 1e-4, record
+        assert record["sync/bytes"] > 5e6
