@@ -162,11 +162,13 @@ def test_a_network_cut_between_trainer_nodes_fails_the_ranks_within_the_collecti
 SGLANG_RECIPE = REPO / "examples" / "moe" / "tiny_gspo_sglang.yaml"
 
 
-def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path):
+@pytest.mark.parametrize("weight_sync", ["disk", "distributed"])
+def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path, weight_sync):
     """`--nodes 2 --rollout-nodes 1`: the trainer's ranks on the first two nodes, a real SGLang
-    server (CPU) on the third, the weights synced into it over the shared disk after every step:
-    the server samples from the trainer's weights of each step (its log-probs are the trainer's,
-    the probe after each sync passes)."""
+    server (CPU) on the third, the weights synced into it after every step over the shared disk
+    or over a process group from the first node to the third: the server samples from the
+    trainer's weights of each step (its log-probs are the trainer's, the probe after each sync
+    passes)."""
     cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
     try:
         run_dir = tmp_path / "rollout-node"
@@ -176,7 +178,7 @@ def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path):
                 str(SGLANG_RECIPE),
                 *SHORT_RUN,
                 f"run.dir={run_dir}",
-                "rollout.sglang.weight_sync=disk",
+                f"rollout.sglang.weight_sync={weight_sync}",
                 "--nodes=2",
                 "--rollout-nodes=1",
                 "--gpus-per-node=1",
@@ -192,7 +194,9 @@ def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path):
     assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
     trainers, rollout = cluster.network.hostnames[:2], cluster.network.hostnames[2]
     server_logs = list((run_dir / "slurm").glob(f"*-rollout-{rollout}-0.out"))
-    assert len(server_logs) == 1 and "sglang" in server_logs[0].read_text()
+    assert len(server_logs) == 1
+    # the server took each step's weights the way asked (SGLang logs the endpoint it serves)
+    assert f"update_weights_from_{weight_sync}" in server_logs[0].read_text()
     assert all(host in logs for host in trainers), logs[-3000:]
     metrics = read_metrics(run_dir)
     for step in (1, 2):
