@@ -19,8 +19,9 @@ here="$repo_root/scripts/sglang_cpu"
 python_bin="${PYTHON:-python3.11}"
 command -v "$python_bin" >/dev/null 2>&1 || python_bin=python3
 sglang_pin="sglang==0.5.23"
-# Installed without dependencies; requirements.in says why.
-no_deps=("$sglang_pin" "gguf==0.19.0" "mistral_common==1.13.1")
+# Installed without dependencies; requirements.in says why. sglang-router (the load balancer in
+# front of a SLURM job's rollout servers) needs nothing beyond the lock (fastapi, uvicorn, ...).
+no_deps=("$sglang_pin" "gguf==0.19.0" "mistral_common==1.13.1" "sglang-router==0.3.2")
 pip=("$venv/bin/python" -m pip --disable-pip-version-check --quiet)
 
 if [ ! -x "$venv/bin/python" ]; then

@@ -121,6 +121,7 @@ class RolloutNodes:
     ports: tuple[int, ...]
     python: str
     startup_timeout_s: int
+    env: tuple[tuple[str, str], ...] = ()  # the servers' rollout.sglang.env, for the router too
 
 
 def check_layout(recipe: Recipe, job: SlurmJob, *, model_must_exist: bool) -> ParallelDims:
@@ -169,6 +170,7 @@ def plan_rollout_nodes(recipe: Recipe, job: SlurmJob) -> RolloutNodes | None:
         ports=tuple(config.base_port + index for index in range(per_node)),
         python=config.python or job.python,
         startup_timeout_s=int(config.startup_timeout_s),
+        env=tuple(sorted(config.env.items())),
     )
 
 
@@ -320,8 +322,19 @@ def _rollout_block(
         .replace("@STARTUP_S@", str(rollout.startup_timeout_s))
     )
     if rollout.nodes * rollout.per_node > 1:
+        # the router imports SGLang: it runs in the servers' environment (rollout.sglang.env)
+        python = shlex.join(
+            [
+                *(
+                    ["env", *(f"{key}={value}" for key, value in rollout.env)]
+                    if rollout.env
+                    else []
+                ),
+                rollout.python,
+            ]
+        )
         block += _ROUTER_BLOCK.replace("@ROUTER_PORT@", str(job.router_port)).replace(
-            "@SGLANG_PYTHON@", shlex.quote(rollout.python)
+            "@SGLANG_PYTHON@", python
         )
     return block
 

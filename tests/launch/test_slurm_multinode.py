@@ -162,13 +162,18 @@ def test_a_network_cut_between_trainer_nodes_fails_the_ranks_within_the_collecti
 SGLANG_RECIPE = REPO / "examples" / "moe" / "tiny_gspo_sglang.yaml"
 
 
-@pytest.mark.parametrize("weight_sync", ["disk", "distributed"])
-def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path, weight_sync):
+@pytest.mark.parametrize(
+    ("weight_sync", "per_node"),
+    [("disk", 1), ("distributed", 1), ("disk", 2)],
+    ids=["disk", "distributed", "two_servers_behind_a_router"],
+)
+def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path, weight_sync, per_node):
     """`--nodes 2 --rollout-nodes 1`: the trainer's ranks on the first two nodes, a real SGLang
     server (CPU) on the third, the weights synced into it after every step over the shared disk
     or over a process group from the first node to the third: the server samples from the
     trainer's weights of each step (its log-probs are the trainer's, the probe after each sync
-    passes)."""
+    passes). Two ranks per node: two trainer ranks on each trainer node, and two servers on the
+    rollout node behind an sglang-router on the first node, through which the trainer samples."""
     cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
     try:
         run_dir = tmp_path / "rollout-node"
@@ -181,7 +186,7 @@ def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path, weight_sync):
                 f"rollout.sglang.weight_sync={weight_sync}",
                 "--nodes=2",
                 "--rollout-nodes=1",
-                "--gpus-per-node=1",
+                f"--gpus-per-node={per_node}",
                 "--device=cpu",
             ],
             cwd=REPO,
@@ -193,10 +198,15 @@ def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path, weight_sync):
         cluster.stop()
     assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
     trainers, rollout = cluster.network.hostnames[:2], cluster.network.hostnames[2]
-    server_logs = list((run_dir / "slurm").glob(f"*-rollout-{rollout}-0.out"))
-    assert len(server_logs) == 1
-    # the server took each step's weights the way asked (SGLang logs the endpoint it serves)
-    assert f"update_weights_from_{weight_sync}" in server_logs[0].read_text()
+    server_logs = sorted((run_dir / "slurm").glob(f"*-rollout-{rollout}-*.out"))
+    assert len(server_logs) == per_node
+    for server_log in server_logs:
+        # each server took each step's weights the way asked (SGLang logs the endpoints served)
+        assert f"update_weights_from_{weight_sync}" in server_log.read_text()
+    routers = list((run_dir / "slurm").glob("router-*.out"))
+    assert len(routers) == (per_node > 1), routers
+    if routers:  # the trainer sampled through it
+        assert "/generate" in routers[0].read_text()
     assert all(host in logs for host in trainers), logs[-3000:]
     metrics = read_metrics(run_dir)
     for step in (1, 2):
