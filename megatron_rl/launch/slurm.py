@@ -38,6 +38,8 @@ Device = Literal["cuda", "cpu"]
 # What SLURM itself parses (#SBATCH lines cannot be quoted).
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,+-]+$")
 _TIME_LIMIT = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2}):(\d{2})$")
+# How long the trainer step's other nodes may take to end after one node's task ended (_NODE_STEP)
+NODE_EXIT_WAIT_S = 30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,6 +264,7 @@ def _node_step(name: str, command: str, *, graceful: str) -> str:
     NAME-JOBID-STEP-NODE.out; `graceful`: the signal names its ranks keep for themselves."""
     return (
         _NODE_STEP.replace("@STEP_NAME@", name)
+        .replace("@NODE_EXIT_WAIT_S@", str(NODE_EXIT_WAIT_S))
         .replace("@GRACEFUL@", f" --graceful {graceful}" if graceful else "")
         .replace("@COMMAND@", command)
     )
@@ -439,10 +442,15 @@ echo "megatron-rl: job $SLURM_JOB_ID on $trainer_list"
 @NODE_STEP@
 """
 
-# One job step on the trainer nodes: megatron_rl.launch.node (torchrun) on each.
+# One job step on the trainer nodes: megatron_rl.launch.node (torchrun) on each. When one node's
+# task ends, the others get NODE_EXIT_WAIT_S to end too before srun stops them: after a graceful
+# stop every node exits 128 + signum within moments of the others, and a node's exit must not
+# stop the next one between its save and its own exit (--kill-on-bad-exit would: the step's
+# status would then be the stopped node's, not the graceful one the batch script requeues on);
+# after a crash the rest is stopped within that time.
 _NODE_STEP = """\
 srun --nodes=@TRAINER_NODES@ --ntasks=@TRAINER_NODES@ --ntasks-per-node=1 \\
-  --nodelist="$trainer_list" --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 \\
+  --nodelist="$trainer_list" --cpus-per-task="$SLURM_CPUS_ON_NODE" --wait=@NODE_EXIT_WAIT_S@ \\
   --output="$log_dir/%x-%j-@STEP_NAME@-%N.out" --open-mode=append \\
   "$python" -m megatron_rl.launch.node --nodes "$trainer_list" --nproc-per-node @GPUS@ \\
   --master-addr "$master_addr" --master-port "$master_port"@GRACEFUL@ -- \\

@@ -18,6 +18,7 @@ from tests.processes import is_running
 from tests.trainer.run_cli import (
     RECIPE,
     REPO,
+    RESUMED_RUN,
     SHORT_RUN,
     check_repeats,
     read_metrics,
@@ -99,16 +100,29 @@ def _job_logs(run_dir: Path) -> str:
     return "".join(path.read_text() for path in sorted((run_dir / "slurm").glob("*.out")))
 
 
+def _wait_for_step(cluster: SlurmCluster, job_id: str, run_dir: Path, step: int) -> None:
+    """Until `run_dir`'s metrics log `step`, while the job runs (at most 180 s)."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and f'"step": {step},' in metrics.read_text()):
+        assert time.monotonic() < deadline, (cluster.job(job_id), _job_logs(run_dir)[-3000:])
+        assert not _ended(cluster.job(job_id)), _job_logs(run_dir)[-3000:]
+        time.sleep(0.2)
+
+
+def _one_node_reference(cluster: SlurmCluster, run_dir: Path, overrides: list[str]) -> dict:
+    """The same run under torchrun on one node, two ranks with as many threads each as the
+    job's ranks get (another count sums the matrix products in another order)."""
+    cpus = re.search(r"\bCPUs=(\d+)", cluster.conf.read_text()).group(1)
+    result = train_cli(run_dir, overrides, nproc=2, extra_env={"OMP_NUM_THREADS": cpus})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_metrics(run_dir)
+
+
 def test_a_two_node_job_repeats_the_one_node_run(tmp_path):
     cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
     try:
-        # the job gives each rank its node's CPUs as threads: the reference's ranks get as many
-        # (another count sums the matrix products in another order)
-        cpus = re.search(r"\bCPUs=(\d+)", cluster.conf.read_text()).group(1)
-        reference = tmp_path / "torchrun"
-        result = train_cli(reference, nproc=2, extra_env={"OMP_NUM_THREADS": cpus})
-        assert result.returncode == 0, result.stderr[-3000:]
-        whole = read_metrics(reference)
+        whole = _one_node_reference(cluster, tmp_path / "torchrun", [])
         run_dir = tmp_path / "two-nodes"
         job_id = _submit_two_node_job(cluster, run_dir, [])
         fields = cluster.wait_for_job(job_id, _ended, timeout_s=240, what="finished")
@@ -215,3 +229,36 @@ def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path, weight_sync, per_
         assert record["mismatch/k3"] < 1e-6, record
         assert record["sync/probe_mean_abs_diff"] < 1e-4, record
         assert record["sync/bytes"] > 5e6
+
+
+def test_the_time_limit_signal_checkpoints_both_nodes_requeues_and_resumes_as_one_node(tmp_path):
+    """SLURM's signal before the time limit (`--signal=B:USR1@...`) reaches a two-node job:
+    both nodes' ranks stop after the step, its checkpoint lands on the shared directory, the job
+    requeues itself and its second start resumes there on both nodes; the metrics equal the
+    uninterrupted one-node run's, step for step, to the last bit."""
+    cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
+    try:
+        whole = _one_node_reference(cluster, tmp_path / "torchrun", RESUMED_RUN)
+        run_dir = tmp_path / "two-nodes"
+        job_id = _submit_two_node_job(cluster, run_dir, RESUMED_RUN)
+        _wait_for_step(cluster, job_id, run_dir, 1)
+        cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+        fields = cluster.wait_for_job(
+            job_id,
+            lambda job: job["JobState"] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"),
+            timeout_s=400,
+            what="finished",
+        )
+        logs = _job_logs(run_dir)
+    finally:
+        cluster.stop()
+    assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
+    assert fields["Restarts"] == "1", fields
+    stopped = re.search(r"megatron-rl: stopped after step (\d); its checkpoint is (\S+);", logs)
+    assert stopped and stopped[1] in ("1", "2"), logs[-3000:]
+    # the second start trained on both nodes again, from the checkpoint (the metrics below)
+    assert f"start 1: training on {','.join(cluster.network.hostnames[:2])}" in logs, logs[-3000:]
+    # each node's task ended with the graceful status (none stopped by the other's exit)
+    for task in (0, 1):
+        assert f"task {task}: Exited with exit code 138" in logs, logs[-3000:]
+    check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)))
