@@ -231,18 +231,17 @@ def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path, weight_sync, per_
         assert record["sync/bytes"] > 5e6
 
 
-def test_the_time_limit_signal_checkpoints_both_nodes_requeues_and_resumes_as_one_node(tmp_path):
-    """SLURM's signal before the time limit (`--signal=B:USR1@...`) reaches a two-node job:
-    both nodes' ranks stop after the step, its checkpoint lands on the shared directory, the job
-    requeues itself and its second start resumes there on both nodes; the metrics equal the
-    uninterrupted one-node run's, step for step, to the last bit."""
+def _interrupted_two_node_run(tmp_path: Path, interrupt: list[str], step: int) -> str:
+    """A two-node job of RESUMED_RUN interrupted by the SLURM command `interrupt` (JOBID
+    appended) once `step` is logged: it must requeue once, train its second start on both nodes
+    and end with the uninterrupted one-node run's metrics. Returns the job's logs."""
     cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
     try:
         whole = _one_node_reference(cluster, tmp_path / "torchrun", RESUMED_RUN)
         run_dir = tmp_path / "two-nodes"
         job_id = _submit_two_node_job(cluster, run_dir, RESUMED_RUN)
-        _wait_for_step(cluster, job_id, run_dir, 1)
-        cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+        _wait_for_step(cluster, job_id, run_dir, step)
+        cluster.run(*interrupt, job_id)
         fields = cluster.wait_for_job(
             job_id,
             lambda job: job["JobState"] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"),
@@ -254,11 +253,28 @@ def test_the_time_limit_signal_checkpoints_both_nodes_requeues_and_resumes_as_on
         cluster.stop()
     assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
     assert fields["Restarts"] == "1", fields
-    stopped = re.search(r"megatron-rl: stopped after step (\d); its checkpoint is (\S+);", logs)
-    assert stopped and stopped[1] in ("1", "2"), logs[-3000:]
     # the second start trained on both nodes again, from the checkpoint (the metrics below)
     assert f"start 1: training on {','.join(cluster.network.hostnames[:2])}" in logs, logs[-3000:]
+    check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)))
+    return logs
+
+
+def test_the_time_limit_signal_checkpoints_both_nodes_requeues_and_resumes_as_one_node(tmp_path):
+    """SLURM's signal before the time limit (`--signal=B:USR1@...`) reaches a two-node job:
+    both nodes' ranks stop after the step, its checkpoint lands on the shared directory, the job
+    requeues itself and its second start resumes there on both nodes; the metrics equal the
+    uninterrupted one-node run's, step for step, to the last bit."""
+    logs = _interrupted_two_node_run(tmp_path, ["scancel", "--signal=USR1", "--batch"], step=1)
+    stopped = re.search(r"megatron-rl: stopped after step (\d); its checkpoint is (\S+);", logs)
+    assert stopped and stopped[1] in ("1", "2"), logs[-3000:]
     # each node's task ended with the graceful status (none stopped by the other's exit)
     for task in (0, 1):
         assert f"task {task}: Exited with exit code 138" in logs, logs[-3000:]
-    check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)))
+
+
+def test_a_requeue_mid_run_stops_both_nodes_and_resumes_from_the_last_checkpoint(tmp_path):
+    """`scontrol requeue` of a running two-node job: SLURM stops every node's ranks at once (no
+    save), starts the job again, and it resumes on both nodes from the last periodic checkpoint,
+    the steps after it repeated and logged once: the one-node run's metrics, to the last bit."""
+    logs = _interrupted_two_node_run(tmp_path, ["scontrol", "requeue"], step=2)
+    assert "megatron-rl: stopped after step" not in logs  # no graceful stop: a requeue
