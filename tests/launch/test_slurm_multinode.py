@@ -278,3 +278,52 @@ def test_a_requeue_mid_run_stops_both_nodes_and_resumes_from_the_last_checkpoint
     the steps after it repeated and logged once: the one-node run's metrics, to the last bit."""
     logs = _interrupted_two_node_run(tmp_path, ["scontrol", "requeue"], step=2)
     assert "megatron-rl: stopped after step" not in logs  # no graceful stop: a requeue
+
+
+def test_a_killed_rollout_server_fails_the_job_clearly_within_its_deadline(tmp_path):
+    """The rollout node's server killed mid-run (SIGKILL to its job step): the trainer, whose
+    servers are the job's and not its own to restart, retries its requests until
+    rollout.sglang.request_deadline_s and fails the job with a line that says so; no step is
+    trained on anything but the synced weights, nothing is left half-written."""
+    deadline_s = 20
+    cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
+    try:
+        run_dir = tmp_path / "killed-server"
+        job_id = cluster.launch(
+            [
+                "slurm",
+                str(SGLANG_RECIPE),
+                *SHORT_RUN,
+                f"run.dir={run_dir}",
+                "run.steps=20",
+                "checkpoint.save_every=1",
+                "rollout.sglang.weight_sync=disk",
+                f"rollout.sglang.request_deadline_s={deadline_s}",
+                "--nodes=2",
+                "--rollout-nodes=1",
+                "--gpus-per-node=1",
+                "--device=cpu",
+            ],
+            cwd=REPO,
+            env=train_environment(),
+        )
+        _wait_for_step(cluster, job_id, run_dir, 1)
+        steps = cluster.run("squeue", "--steps", "--noheader", "--jobs", job_id, "--format=%i %N")
+        rollout_node = cluster.network.hostnames[2]
+        (server_step,) = [
+            line.split()[0] for line in steps.stdout.splitlines() if line.split()[1] == rollout_node
+        ]
+        cluster.run("scancel", "--signal=KILL", server_step)
+        killed = time.monotonic()
+        fields = cluster.wait_for_job(job_id, _ended, timeout_s=4 * deadline_s + 60, what="ended")
+        ended = time.monotonic() - killed
+        logs = _job_logs(run_dir)
+    finally:
+        cluster.stop()
+    assert fields["JobState"] == "FAILED", (fields, logs[-3000:])
+    assert f"no usable answer within {deadline_s} s" in logs, logs[-3000:]
+    assert ended < 3 * deadline_s + 60, ended
+    assert not list(run_dir.glob("checkpoints/.*partial"))
+    for step, record in read_metrics(run_dir).items():
+        if step:  # every logged step sampled from the weights synced before it
+            assert record["sync/probe_mean_abs_diff"] < 1e-4, (step, record)
