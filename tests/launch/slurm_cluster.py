@@ -380,3 +380,38 @@ def _free_subnet() -> str:
         if candidate not in taken:
             return candidate
     raise RuntimeError("no free 10.x.y.0/24 subnet for the test cluster")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tests.launch.slurm_cluster DIR [--nodes N]`: a test cluster to try jobs on by
+    hand (docs/slurm.md, "Multi-node on one machine"). It starts under DIR (which must not
+    exist), prints the SLURM_CONF to submit with, and runs until SIGINT or SIGTERM, then stops
+    its daemons by PID and removes its namespaces."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.launch.slurm_cluster")
+    parser.add_argument("root", type=Path, help="a directory of its own (must not exist)")
+    parser.add_argument("--nodes", type=int, default=3, help="nodes, each a host of its own (3)")
+    args = parser.parse_args(argv)
+    reason = missing_reason(args.nodes)
+    if reason is not None:
+        parser.error(reason)
+    if args.root.exists():
+        parser.error(f"{args.root}: exists; the cluster makes a directory of its own")
+    stop = []
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, lambda signum, frame: stop.append(signum))
+    cluster = SlurmCluster(args.root.resolve(), nodes=args.nodes)
+    try:
+        cluster.start()
+        print(f"export SLURM_CONF={cluster.conf}", flush=True)
+        print(f"nodes: {' '.join(cluster.node_names)} (stop: kill {os.getpid()})", flush=True)
+        while not stop:
+            time.sleep(0.5)
+    finally:
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
