@@ -229,6 +229,8 @@ def render_train_script(
         "@SIGNAL_BEFORE@": str(job.signal_before_s),
         "@STOP_CODE@": str(128 + stop.value),
         "@RESUME@": "--resume" if job.resume else "",
+        # the job steps of one start: the rollout servers' (with rollout nodes), the trainer's
+        "@STEPS_PER_START@": str(1 + (rollout is not None)),
     } | _common_substitutions(job, log_dir)
     step = _node_step(
         "train", f'{train_args} "${{rollout[@]}}" "${{resume[@]}}"', graceful=graceful
@@ -404,6 +406,15 @@ pass_stop_to_trainer() {
   if [ -n "$trainer" ]; then kill -@SIGNAL@ "$trainer" 2>/dev/null || true; fi
 }
 trap pass_stop_to_trainer @SIGNAL@
+
+# A requeued job numbers its job steps from 0 again, and SLURM may still deliver a signal it
+# queued for a step of an earlier start whose node had died, once that node is back (seen: the
+# kill srun sends the dead node's task, re-sent ~70 s later): the step of that number in this
+# start would die of it. Each start k first spends the numbers the earlier starts used (k x
+# @STEPS_PER_START@ steps that do nothing), so that no two starts share a step number.
+for ((spent = 0; spent < ${SLURM_RESTART_COUNT:-0} * @STEPS_PER_START@; spent++)); do
+  srun --nodes=1 --ntasks=1 --nodelist="${nodes[0]}" --output=/dev/null true
+done
 
 rollout=()
 @ROLLOUT_BLOCK@

@@ -63,9 +63,11 @@ class SlurmCluster:
     """The cluster; `start()` waits until all its nodes are idle. `nodes` > 1: one network
     namespace per node (`node_names`, `node_addresses`), `prefix` naming everything made."""
 
-    def __init__(self, root: Path, nodes: int = 1) -> None:
+    def __init__(self, root: Path, nodes: int = 1, slurmd_timeout_s: int | None = None) -> None:
         self.root = root
         self.nodes = nodes
+        # how long a silent node stays up (slurm.conf SlurmdTimeout; SLURM's default 300 s)
+        self.slurmd_timeout_s = slurmd_timeout_s
         self.host = socket.gethostname().split(".")[0]
         self.conf = root / "slurm.conf"
         # Unix sockets live under the spool directory and munge's: their paths must stay under
@@ -123,6 +125,24 @@ class SlurmCluster:
         names = ", ".join(self.node_names)
         self._wait(lambda: self.node_state() == "idle", f"nodes {names} idle")
         return self
+
+    def kill_node(self, index: int) -> None:
+        """Node `index` dies: SIGKILL to every process in its namespaces (its slurmd, and the job
+        steps and ranks running there), by PID."""
+        for pid in self.network.pids(index):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        name = self.network.hostnames[index]
+        for process in [p for p in self.processes if _is_slurmd_of(p, name)]:
+            process.wait(timeout=20)  # reaped: this process started it
+            self.processes.remove(process)
+
+    def restart_node(self, index: int) -> None:
+        """Node `index` comes back: its slurmd starts again in fresh namespaces of its own."""
+        name = self.network.hostnames[index]
+        self._spawn(
+            "slurmd", "-D", "-N", name, "-f", str(self.conf), enter=self.network.enter(index)
+        )
 
     def stop(self) -> None:
         for process in reversed(self.processes):
@@ -257,6 +277,11 @@ class SlurmCluster:
                     "ReturnToService=2",
                     "MpiDefault=none",
                     "JobRequeue=1",
+                    *(
+                        []
+                        if self.slurmd_timeout_s is None
+                        else [f"SlurmdTimeout={self.slurmd_timeout_s}"]
+                    ),
                     *self._node_lines(cpus, memory_mib),
                     "",
                 ]
@@ -362,6 +387,11 @@ class NodeNetwork:
 
 
 _COUNTER = itertools.count()
+
+
+def _is_slurmd_of(process: subprocess.Popen, node: str) -> bool:
+    """Whether `process` (as SlurmCluster._spawn started it) is node `node`'s slurmd."""
+    return "slurmd" in str(process.args) and f"-N {node}" in str(process.args)
 
 
 def _ip(*args: str) -> None:

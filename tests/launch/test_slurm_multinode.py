@@ -329,3 +329,53 @@ def test_a_killed_rollout_server_fails_the_job_clearly_within_its_deadline(tmp_p
     for step, record in read_metrics(run_dir).items():
         if step:  # every logged step sampled from the weights synced before it
             assert record["sync/probe_mean_abs_diff"] < 1e-4, (step, record)
+
+
+# four to five minutes: a node's death, SLURM's detection of it, its return, a whole run again
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+def test_a_dead_trainer_node_requeues_the_job_which_resumes_when_the_node_is_back(tmp_path):
+    """Every process of the second trainer node killed (its slurmd, the step, torchrun, the
+    rank) after step 2: the first node's rank fails at once (its peer's sockets closed), SLURM
+    declares the node down after SlurmdTimeout and requeues the job itself; when the node is
+    back the job starts again on both nodes, resumes from the last checkpoint and finishes with
+    the one-node run's metrics, nothing half-written left behind. On the way srun signals the
+    dead node's task, SLURM keeps that signal and delivers it once the node is back, to the step
+    of that number: before the job's later starts numbered their steps apart from the earlier
+    starts' (megatron_rl.launch.slurm) it killed the second start's step on that node."""
+    run = ["run.steps=60", "checkpoint.save_every=1", "run.eval_every=30"]
+    # SlurmdTimeout past srun's 30 s wait: srun signals the dead node's task before SLURM
+    # declares the node down, and that signal stays queued for the node
+    cluster = SlurmCluster(tmp_path / "slurm", nodes=2, slurmd_timeout_s=60).start()
+    try:
+        whole = _one_node_reference(cluster, tmp_path / "torchrun", run)
+        run_dir = tmp_path / "two-nodes"
+        job_id = _submit_two_node_job(cluster, run_dir, run)
+        _wait_for_step(cluster, job_id, run_dir, 2)
+        cluster.kill_node(1)
+        killed = time.monotonic()
+        cluster.wait_for_job(
+            job_id,
+            lambda job: job["Restarts"] == "1" and job["JobState"] == "PENDING",
+            timeout_s=180,
+            what="requeued",
+        )
+        requeued = time.monotonic() - killed
+        cluster.restart_node(1)
+        fields = cluster.wait_for_job(
+            job_id,
+            lambda job: job["JobState"] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"),
+            timeout_s=400,
+            what="finished",
+        )
+        logs = _job_logs(run_dir)
+    finally:
+        cluster.stop()
+    assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
+    assert fields["Restarts"] == "1", fields
+    assert requeued < 60 * 3, requeued  # SlurmdTimeout, and SLURM's next look at the nodes
+    controller = (cluster.root / "log" / "slurmctld.log").read_text()
+    assert f"requeue job JobId={job_id} due to failure of node" in controller
+    assert f"start 1: training on {','.join(cluster.network.hostnames[:2])}" in logs
+    assert not list(run_dir.glob("checkpoints/.*partial"))
+    check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)))
