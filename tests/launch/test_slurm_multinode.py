@@ -119,6 +119,9 @@ def _one_node_reference(cluster: SlurmCluster, run_dir: Path, overrides: list[st
     return read_metrics(run_dir)
 
 
+# the time-limit test below runs this job interrupted and requeued, to the same metrics, in the
+# default suite; this one is the plain case, for when that one fails
+@pytest.mark.extended
 def test_a_two_node_job_repeats_the_one_node_run(tmp_path):
     cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
     try:
@@ -178,7 +181,11 @@ SGLANG_RECIPE = REPO / "examples" / "moe" / "tiny_gspo_sglang.yaml"
 
 @pytest.mark.parametrize(
     ("weight_sync", "per_node"),
-    [("disk", 1), ("distributed", 2)],
+    [
+        # the router case covers a rollout node too, in the default suite
+        pytest.param("disk", 1, marks=pytest.mark.extended),
+        ("distributed", 2),
+    ],
     ids=["disk", "distributed_two_servers_behind_a_router"],
 )
 def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path, weight_sync, per_node):
@@ -282,6 +289,9 @@ def test_a_requeue_mid_run_stops_both_nodes_and_resumes_from_the_last_checkpoint
     assert "megatron-rl: stopped after step" not in logs  # no graceful stop: a requeue
 
 
+# a minute; tests/sglang/test_http_errors.py covers a server that stops answering (the deadline,
+# its URL) without SLURM
+@pytest.mark.extended
 def test_a_killed_rollout_server_fails_the_job_clearly_within_its_deadline(tmp_path):
     """The rollout node's server killed mid-run (SIGKILL to its job step): the trainer, whose
     servers are the job's and not its own to restart, retries its requests until
