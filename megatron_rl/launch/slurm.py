@@ -123,7 +123,7 @@ class RolloutNodes:
     ports: tuple[int, ...]
     python: str
     startup_timeout_s: int
-    env: tuple[tuple[str, str], ...] = ()  # the servers' rollout.sglang.env, for the router too
+    env: tuple[tuple[str, str], ...]  # the servers' rollout.sglang.env, for the router too
 
 
 def check_layout(recipe: Recipe, job: SlurmJob, *, model_must_exist: bool) -> ParallelDims:
@@ -329,14 +329,7 @@ def _rollout_block(
     if rollout.nodes * rollout.per_node > 1:
         # the router imports SGLang: it runs in the servers' environment (rollout.sglang.env)
         python = shlex.join(
-            [
-                *(
-                    ["env", *(f"{key}={value}" for key, value in rollout.env)]
-                    if rollout.env
-                    else []
-                ),
-                rollout.python,
-            ]
+            ["env", *(f"{key}={value}" for key, value in rollout.env), rollout.python]
         )
         block += _ROUTER_BLOCK.replace("@ROUTER_PORT@", str(job.router_port)).replace(
             "@SGLANG_PYTHON@", python

@@ -280,7 +280,10 @@ def _packed_micro_batch(
         if engine_routing is None
         else _replay_targets(
             batch,
-            [(0, int(start), row) for start, row in zip(offsets, real, strict=False)],
+            [
+                (0, start, row)
+                for start, row in zip(offsets[: len(real)].tolist(), real, strict=True)
+            ],
             (1, width),
             engine_routing,
         ),

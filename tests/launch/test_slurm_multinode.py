@@ -73,18 +73,25 @@ def test_three_nodes_are_hosts_of_their_own_and_leave_nothing_behind(tmp_path):
     assert network.prefix not in _ip_lines("link", "show")
 
 
-def _submit_two_node_job(cluster: SlurmCluster, run_dir: Path, overrides: list[str]) -> str:
-    """The tiny recipe's short run + `overrides` through `megatron-rl launch slurm` on two
-    trainer nodes, one rank each; the job id."""
+def _submit_two_node_job(
+    cluster: SlurmCluster,
+    run_dir: Path,
+    overrides: list[str],
+    *,
+    recipe: Path = RECIPE,
+    job_options: tuple[str, ...] = ("--gpus-per-node=1",),
+) -> str:
+    """`recipe`'s short run + `overrides` through `megatron-rl launch slurm` on two trainer
+    nodes (CPU), one rank each unless `job_options` say otherwise; the job id."""
     return cluster.launch(
         [
             "slurm",
-            str(RECIPE),
+            str(recipe),
             *SHORT_RUN,
             f"run.dir={run_dir}",
             *overrides,
             "--nodes=2",
-            "--gpus-per-node=1",
+            *job_options,
             "--device=cpu",
         ],
         cwd=REPO,
@@ -198,20 +205,12 @@ def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path, weight_sync, per_
     cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
     try:
         run_dir = tmp_path / "rollout-node"
-        job_id = cluster.launch(
-            [
-                "slurm",
-                str(SGLANG_RECIPE),
-                *SHORT_RUN,
-                f"run.dir={run_dir}",
-                f"rollout.sglang.weight_sync={weight_sync}",
-                "--nodes=2",
-                "--rollout-nodes=1",
-                f"--gpus-per-node={per_node}",
-                "--device=cpu",
-            ],
-            cwd=REPO,
-            env=train_environment(),
+        job_id = _submit_two_node_job(
+            cluster,
+            run_dir,
+            [f"rollout.sglang.weight_sync={weight_sync}"],
+            recipe=SGLANG_RECIPE,
+            job_options=("--rollout-nodes=1", f"--gpus-per-node={per_node}"),
         )
         fields = cluster.wait_for_job(job_id, _ended, timeout_s=420, what="finished")
         logs = _job_logs(run_dir)
@@ -301,23 +300,17 @@ def test_a_killed_rollout_server_fails_the_job_clearly_within_its_deadline(tmp_p
     cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
     try:
         run_dir = tmp_path / "killed-server"
-        job_id = cluster.launch(
+        job_id = _submit_two_node_job(
+            cluster,
+            run_dir,
             [
-                "slurm",
-                str(SGLANG_RECIPE),
-                *SHORT_RUN,
-                f"run.dir={run_dir}",
                 "run.steps=20",
                 "checkpoint.save_every=1",
                 "rollout.sglang.weight_sync=disk",
                 f"rollout.sglang.request_deadline_s={deadline_s}",
-                "--nodes=2",
-                "--rollout-nodes=1",
-                "--gpus-per-node=1",
-                "--device=cpu",
             ],
-            cwd=REPO,
-            env=train_environment(),
+            recipe=SGLANG_RECIPE,
+            job_options=("--rollout-nodes=1", "--gpus-per-node=1"),
         )
         _wait_for_step(cluster, job_id, run_dir, 1)
         steps = cluster.run("squeue", "--steps", "--noheader", "--jobs", job_id, "--format=%i %N")
