@@ -171,7 +171,9 @@ def run_benchmark(spec: SGLangBenchSpec, workdir: Path) -> dict[str, object]:
         if name == "synthetic":
             config = dataclasses.replace(config, mem_fraction_static=spec.synthetic_mem_fraction)
         # Server logs stay in `workdir` (kept when a step fails) until the end.
-        with ServerGroup(config, str(hf_dir), workdir / name / "logs") as servers:
+        with ServerGroup(
+            config, str(hf_dir), workdir / name / "logs", seed=recipe.run.seed
+        ) as servers:
             sync[name] = _sync_model(spec, servers, hf_dir, workdir / name)
             if name == "tiny":  # its own weights again: the recipe's model as shipped
                 rollout = _rollout_speed(spec, recipe, servers, workdir / "rollout")

@@ -28,6 +28,7 @@ def open_engine(
     *,
     routing_shape: tuple[int, int],
     routed_experts: bool,
+    seed: int,
 ) -> RolloutEngine:
     """The engine of `rollout.backend` for the Hugging Face model at `hf_path`. Servers it
     starts and resources it holds are released when `stack` closes.
@@ -35,6 +36,7 @@ def open_engine(
     Args:
         routing_shape: `(layers, topk)` of the model (to decode SGLang's routed experts).
         routed_experts: the run needs the engine's routing (R3).
+        seed: the run's seed; the servers it starts sample from it.
     """
     if rollout.backend == "local":
         # float8_emulated: float32 weights and matmuls, operands rounded to e4m3.
@@ -56,7 +58,9 @@ def open_engine(
     if config.router_url:
         check_answers(config.router_url, "rollout.sglang.router_url")
     if not urls:
-        servers = ServerGroup(config, hf_path, run_dir / "sglang", routed_experts=routed_experts)
+        servers = ServerGroup(
+            config, hf_path, run_dir / "sglang", seed=seed, routed_experts=routed_experts
+        )
         managed = stack.enter_context(servers)
         urls = managed.urls
     weight_sync = make_weight_sync(

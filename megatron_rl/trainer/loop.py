@@ -159,6 +159,7 @@ class Trainer:
                 stack,
                 routing_shape=(policy.config.num_layers, policy.config.router_topk),
                 routed_experts=recipe.engine_returns_routing,
+                seed=recipe.run.seed,
             )
         rank0_engine = Rank0Engine(engine, partial_rollouts=recipe.rollout.partial_rollouts)
         stack.callback(rank0_engine.close)  # before the engine's own resources are released

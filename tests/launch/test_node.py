@@ -90,9 +90,11 @@ def test_a_rollout_node_server_listens_everywhere_on_its_own_port():
         RECIPE,
         ["rollout.backend=sglang", "rollout.sglang.base_port=31000", "algo.routing_replay=r3"],
     )
-    argv, env = serve_argv(recipe, 1)
+    argv, env = serve_argv(recipe, 1, 3)
     assert argv[argv.index("--host") + 1] == "0.0.0.0"
     assert argv[argv.index("--port") + 1] == "31001"
+    # the job's fourth server samples as the trainer's own fourth server would
+    assert argv[argv.index("--random-seed") + 1] == str(recipe.run.seed + 3)
     assert argv[argv.index("--model-path") + 1] == recipe.model.hf_path
     assert "--enable-return-routed-experts" in argv
     assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"

@@ -6,6 +6,7 @@ equal those of the same run under torchrun on one node, to the last bit."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -117,11 +118,14 @@ def _wait_for_step(cluster: SlurmCluster, job_id: str, run_dir: Path, step: int)
         time.sleep(0.2)
 
 
-def _one_node_reference(cluster: SlurmCluster, run_dir: Path, overrides: list[str]) -> dict:
-    """The same run under torchrun on one node, two ranks with as many threads each as the
-    job's ranks get (another count sums the matrix products in another order)."""
-    cpus = re.search(r"\bCPUs=(\d+)", cluster.conf.read_text()).group(1)
-    result = train_cli(run_dir, overrides, nproc=2, extra_env={"OMP_NUM_THREADS": cpus})
+def _one_node_reference(run_dir: Path, overrides: list[str], recipe: Path = RECIPE) -> dict:
+    """The same run under torchrun on one node, two ranks with as many threads each as a
+    two-node job's ranks get, the test cluster's CPUs per node (another count sums the matrix
+    products in another order)."""
+    cpus = str(os.cpu_count())  # a test cluster node's CPUs: the machine's (slurm_cluster.py)
+    result = train_cli(
+        run_dir, overrides, nproc=2, extra_env={"OMP_NUM_THREADS": cpus}, recipe=recipe
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return read_metrics(run_dir)
 
@@ -132,7 +136,7 @@ def _one_node_reference(cluster: SlurmCluster, run_dir: Path, overrides: list[st
 def test_a_two_node_job_repeats_the_one_node_run(tmp_path):
     cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
     try:
-        whole = _one_node_reference(cluster, tmp_path / "torchrun", [])
+        whole = _one_node_reference(tmp_path / "torchrun", [])
         run_dir = tmp_path / "two-nodes"
         job_id = _submit_two_node_job(cluster, run_dir, [])
         fields = cluster.wait_for_job(job_id, _ended, timeout_s=240, what="finished")
@@ -186,22 +190,13 @@ def test_a_network_cut_between_trainer_nodes_fails_the_ranks_within_the_collecti
 SGLANG_RECIPE = REPO / "examples" / "moe" / "tiny_gspo_sglang.yaml"
 
 
-@pytest.mark.parametrize(
-    ("weight_sync", "per_node"),
-    [
-        # the router case covers a rollout node too, in the default suite
-        pytest.param("disk", 1, marks=pytest.mark.extended),
-        ("distributed", 2),
-    ],
-    ids=["disk", "distributed_two_servers_behind_a_router"],
-)
-def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path, weight_sync, per_node):
-    """`--nodes 2 --rollout-nodes 1`: the trainer's ranks on the first two nodes, a real SGLang
-    server (CPU) on the third, the weights synced into it after every step over the shared disk
-    or over a process group from the first node to the third: the server samples from the
-    trainer's weights of each step (its log-probs are the trainer's, the probe after each sync
-    passes). Two ranks per node: two trainer ranks on each trainer node, and two servers on the
-    rollout node behind an sglang-router on the first node, through which the trainer samples."""
+def _rollout_node_job(tmp_path: Path, weight_sync: str, per_node: int) -> Path:
+    """`--nodes 2 --rollout-nodes 1 --gpus-per-node PER_NODE` with the CPU SGLang recipe:
+    PER_NODE trainer ranks on each of the first two nodes, PER_NODE real SGLang servers (CPU)
+    on the third (behind an sglang-router on the first node when several), the weights synced
+    into them after every step by `weight_sync`. Checks that the job completed on those nodes,
+    each server took each step's weights the way asked and the trainer sampled through the
+    router; returns the run directory."""
     cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
     try:
         run_dir = tmp_path / "rollout-node"
@@ -221,14 +216,26 @@ def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path, weight_sync, per_
     server_logs = sorted((run_dir / "slurm").glob(f"*-rollout-{rollout}-*.out"))
     assert len(server_logs) == per_node
     for server_log in server_logs:
+        text = server_log.read_text()
         # each server took each step's weights the way asked (SGLang logs the endpoints served)
-        assert f"update_weights_from_{weight_sync}" in server_log.read_text()
+        assert f"update_weights_from_{weight_sync}" in text
+        # and sampled: behind the router too, each server takes a share of every step
+        assert "POST /generate" in text, text[-3000:]
     routers = list((run_dir / "slurm").glob("router-*.out"))
     assert len(routers) == (per_node > 1), routers
     if routers:  # the trainer sampled through it
         assert "/generate" in routers[0].read_text()
     assert all(host in logs for host in trainers), logs[-3000:]
-    metrics = read_metrics(run_dir)
+    return run_dir
+
+
+def test_two_servers_on_a_rollout_node_serve_two_trainer_nodes_through_a_router(tmp_path):
+    """Two ranks per trainer node and two servers on the rollout node behind an sglang-router,
+    weights sent over a process group from the first node to the third after every step: the
+    servers sample from the trainer's weights of each step (their log-probs are the trainer's,
+    the probe after each sync passes). Their samples are not compared with a one-node run's:
+    which server takes which request depends on their arrival at the router."""
+    metrics = read_metrics(_rollout_node_job(tmp_path, "distributed", per_node=2))
     for step in (1, 2):
         record = metrics[step]
         # the server computes in float32 like the trainer, from the weights synced before
@@ -237,13 +244,27 @@ def test_a_rollout_node_serves_the_two_trainer_nodes(tmp_path, weight_sync, per_
         assert record["sync/bytes"] > 5e6
 
 
+def test_a_rollout_node_job_samples_and_trains_as_the_one_node_run(tmp_path):
+    """One rank per trainer node and one server on the rollout node, weights over the shared
+    disk: the same samples, rewards, losses and gradients as the same recipe run under
+    torchrun on one node with the server the trainer starts itself (same seed, so the same
+    sampler seed), every metric to the last bit but the engine's log-prob mismatch, which
+    agrees within 1e-6 (SGLang's arithmetic follows how it batches the step's requests)."""
+    run_dir = _rollout_node_job(tmp_path / "job", "disk", per_node=1)
+    whole = _one_node_reference(
+        tmp_path / "one-node", ["rollout.sglang.weight_sync=disk"], SGLANG_RECIPE
+    )
+    assert whole[2]["reward/mean"] != whole[1]["reward/mean"]  # not a constant run
+    check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)), near=("mismatch/",))
+
+
 def _interrupted_two_node_run(tmp_path: Path, interrupt: list[str], step: int) -> str:
     """A two-node job of RESUMED_RUN interrupted by the SLURM command `interrupt` (JOBID
     appended) once `step` is logged: it must requeue once, train its second start on both nodes
     and end with the uninterrupted one-node run's metrics. Returns the job's logs."""
     cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
     try:
-        whole = _one_node_reference(cluster, tmp_path / "torchrun", RESUMED_RUN)
+        whole = _one_node_reference(tmp_path / "torchrun", RESUMED_RUN)
         run_dir = tmp_path / "two-nodes"
         job_id = _submit_two_node_job(cluster, run_dir, RESUMED_RUN)
         _wait_for_step(cluster, job_id, run_dir, step)
@@ -351,7 +372,7 @@ def test_a_dead_trainer_node_requeues_the_job_which_resumes_when_the_node_is_bac
     # declares the node down, and that signal stays queued for the node
     cluster = SlurmCluster(tmp_path / "slurm", nodes=2, slurmd_timeout_s=60).start()
     try:
-        whole = _one_node_reference(cluster, tmp_path / "torchrun", run)
+        whole = _one_node_reference(tmp_path / "torchrun", run)
         run_dir = tmp_path / "two-nodes"
         job_id = _submit_two_node_job(cluster, run_dir, run)
         _wait_for_step(cluster, job_id, run_dir, 2)

@@ -39,7 +39,7 @@ def cpu_servers(
     config = dataclasses.replace(
         config, python=str(SGLANG_PYTHON), env=env, base_port=port, startup_timeout_s=240.0
     )
-    return ServerGroup(config, model, log_dir, routed_experts=routed_experts)
+    return ServerGroup(config, model, log_dir, seed=0, routed_experts=routed_experts)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _servers(
-    mode: str, port: int, log_dir, *, routed_experts: bool = False, **changes
+    mode: str, port: int, log_dir, *, routed_experts: bool = False, seed: int = 0, **changes
 ) -> ServerGroup:
     """Servers of the stand-in launcher in `mode`, the first on `port`."""
     defaults = {
@@ -32,14 +32,14 @@ def _servers(
         "startup_timeout_s": 20.0,
     }
     config = SGLangConfig(**(defaults | changes))
-    return ServerGroup(config, "unused", log_dir, routed_experts=routed_experts)
+    return ServerGroup(config, "unused", log_dir, seed=seed, routed_experts=routed_experts)
 
 
 def test_servers_start_log_and_stop_with_their_children(tmp_path, monkeypatch):
     for name, value in (("RANK", "1"), ("MASTER_PORT", "29500"), ("TORCHELASTIC_RUN_ID", "x")):
         monkeypatch.setenv(name, value)  # as under torchrun
     port = _closed_port()
-    group = _servers("ok", port, tmp_path, num_servers=2, routed_experts=True)
+    group = _servers("ok", port, tmp_path, num_servers=2, routed_experts=True, seed=7)
     with group:
         assert group.urls == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
         assert all(server.connection.ping() for server in group.servers)
@@ -51,6 +51,8 @@ def test_servers_start_log_and_stop_with_their_children(tmp_path, monkeypatch):
         assert all(os.getpgid(child) == pid for child, pid in zip(children, launchers, strict=True))
         assert "--enable-return-routed-experts" in logs[0] and "--skip-tokenizer-init" in logs[0]
         assert f"'--port', '{port + 1}'" in logs[1]
+        # each server samples from a seed of its own, the run's seed + its index
+        assert "'--random-seed', '7'" in logs[0] and "'--random-seed', '8'" in logs[1]
         none = "{'RANK': None, 'MASTER_PORT': None, 'TORCHELASTIC_RUN_ID': None}"
         assert f"launcher variables {none}" in logs[0]  # torchrun's are not passed on
     assert all(group_gone(pid) for pid in launchers)

@@ -1,8 +1,10 @@
 """The SGLang rollout engine: the RolloutEngine interface over one or more SGLang servers.
 
 Prompts are split into contiguous shares, one per server (data-parallel rollout), sent at once
-and answered in order; or all of them go to one sglang-router URL that balances the servers
-itself. Weight updates always go to every server directly (a router does not forward them).
+and answered in order. Behind an sglang-router the shares (still one per server) all go to the
+router, which places each request on a server whole: one request would keep one server busy and
+the others idle. Weight updates always go to every server directly (a router does not forward
+them).
 
 A server that dies is noticed at once (its process is gone) when this engine manages it. It is
 started again from the latest weights on disk when the disk method keeps some; otherwise its
@@ -115,7 +117,7 @@ class SGLangEngine:
         self._require_healthy()
         if not prompts:
             return []
-        targets = [self.router] if self.router is not None else self.servers
+        targets = self.servers if self.router is None else [self.router] * len(self.servers)
         shares = _split(len(prompts), len(targets))
         with ThreadPoolExecutor(max_workers=len(targets)) as pool:
             futures = [

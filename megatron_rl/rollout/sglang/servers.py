@@ -47,10 +47,17 @@ ORIGINAL_LOGPROBS_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 
 def server_argv(
-    config: SGLangConfig, model_path: str, index: int, *, routed_experts: bool = False
+    config: SGLangConfig,
+    model_path: str,
+    index: int,
+    *,
+    random_seed: int,
+    routed_experts: bool = False,
 ) -> list[str]:
     """The command line of server `index` of `config`, serving the checkpoint at `model_path`;
-    `routed_experts` has it return each token's experts (R3)."""
+    `random_seed` seeds its sampler (SGLang draws a random one otherwise, and a run's samples
+    would differ from start to start); `routed_experts` has it return each token's experts
+    (R3)."""
     args = [
         config.python or sys.executable,
         "-m",
@@ -74,6 +81,8 @@ def server_argv(
         # Servers are idle while the trainer trains; without this the scheduler's event
         # loop spins and takes a core from it.
         "--sleep-on-idle",
+        "--random-seed",
+        str(random_seed),
     ]
     if routed_experts:
         args.append("--enable-return-routed-experts")
@@ -101,9 +110,11 @@ class ManagedServer:
         index: int,
         log_dir: Path,
         *,
+        random_seed: int,
         routed_experts: bool = False,
     ) -> None:
         self.config, self.model_path, self.index = config, model_path, index
+        self.random_seed = random_seed
         self.routed_experts = routed_experts
         self.url = f"http://{config.host}:{config.base_port + index}"
         self.log_path = Path(log_dir) / f"sglang_{index}.log"
@@ -132,6 +143,7 @@ class ManagedServer:
             self.config,
             model_path or self.model_path,
             self.index,
+            random_seed=self.random_seed,
             routed_experts=self.routed_experts,
         )
         # The server's group is stopped when this process dies, whatever kills it
@@ -211,7 +223,8 @@ class ManagedServer:
 
 
 class ServerGroup:
-    """The trainer's SGLang servers: started together, stopped together (a context manager)."""
+    """The trainer's SGLang servers: started together, stopped together (a context manager).
+    Server i samples from `seed + i` (the run's seed: a run repeats its samples)."""
 
     def __init__(
         self,
@@ -219,12 +232,20 @@ class ServerGroup:
         model_path: str,
         log_dir: str | Path,
         *,
+        seed: int,
         routed_experts: bool = False,
     ) -> None:
         if config.num_servers < 1:
             raise ValueError(f"num_servers: expected >= 1, got {config.num_servers}")
         self.servers = [
-            ManagedServer(config, model_path, index, Path(log_dir), routed_experts=routed_experts)
+            ManagedServer(
+                config,
+                model_path,
+                index,
+                Path(log_dir),
+                random_seed=seed + index,
+                routed_experts=routed_experts,
+            )
             for index in range(config.num_servers)
         ]
 
