@@ -258,23 +258,36 @@ def test_prompts_are_split_over_servers_and_answers_kept_in_order(scripted):
     assert [group[0].prompt_ids for group in groups] == [tuple(p) for p in prompts]
     assert all(group[1].response_ids == (group[1].prompt_ids[0], 9) for group in groups)
     (path, body_1), (_, body_2) = first.requests[0], second.requests[0]
-    assert path == "/generate" and body_1["input_ids"] == prompts[:3]
-    assert body_2["input_ids"] == prompts[3:]
-    # One seed per server, so that their samples differ.
-    assert body_1["sampling_params"]["sampling_seed"] != body_2["sampling_params"]["sampling_seed"]
-    assert body_1["sampling_params"]["n"] == 2 and body_1["return_logprob"] is True
+    # each sample an item of its own, prompt-major
+    assert path == "/generate" and body_1["input_ids"] == [p for p in prompts[:3] for _ in "ab"]
+    assert body_2["input_ids"] == [p for p in prompts[3:] for _ in "ab"]
+    assert body_1["return_logprob"] is True
+    # a sampling seed per sample, none shared (SGLang would give n copies of an item one seed)
+    params = body_1["sampling_params"] + body_2["sampling_params"]
+    assert len({item["sampling_seed"] for item in params}) == len(prompts) * 2
+    assert all("n" not in item and item["max_new_tokens"] == 2 for item in params)
+    # and the next request's seeds are new ones
+    third = scripted([(200, _answers(prompts, 2))])
+    SGLangEngine([third.url], TensorSync([1]), retry=QUICK).generate(
+        prompts, SamplingParams(max_new_tokens=2), n=2, seed=8
+    )
+    later = {item["sampling_seed"] for item in third.requests[0][1]["sampling_params"]}
+    assert not later & {item["sampling_seed"] for item in params}
 
 
 def test_with_a_router_generation_goes_through_it_and_weights_to_every_server(scripted):
-    prompts = [[3, 4], [5, 6, 7]]
-    router = scripted([(200, _answers(prompts, 1))])
+    prompts = [[3, 4], [5, 6]]  # of one length: either answer fits either request
+    router = scripted([(200, _answers(prompts[:1], 1)), (200, _answers(prompts[1:], 1))])
     ok = '{"success": true, "message": ""}'
     workers = [scripted([(200, ok)]) for _ in range(2)]
     engine = SGLangEngine(
         [w.url for w in workers], TensorSync([1, 1]), router_url=router.url, retry=QUICK
     )
-    engine.generate(prompts, SamplingParams(max_new_tokens=2))
-    assert [path for path, _ in router.requests] == ["/generate"]
+    groups = engine.generate(prompts, SamplingParams(max_new_tokens=2))
+    assert [group[0].prompt_ids for group in groups] == [tuple(p) for p in prompts]
+    # one request per server, at once: the router places each on a server whole
+    assert [path for path, _ in router.requests] == ["/generate"] * 2
+    assert sorted(body["input_ids"] for _, body in router.requests) == [[p] for p in prompts]
     assert not any(path == "/generate" for w in workers for path, _ in w.requests)
     with pytest.raises(SGLangError, match="weight version"):  # the stand-ins report none
         engine.update_weights([[("w", torch.zeros(2))]], version=3)

@@ -105,8 +105,9 @@ class SGLangEngine:
         seed: int = 0,
         return_routed_experts: bool = False,
     ) -> list[list[Sample]]:
-        """`n` samples per prompt. `seed` seeds SGLang's sampler per request; SGLang does not
-        promise the same samples for the same seed (batching changes the arithmetic). Besides
+        """`n` samples per prompt. Each sample carries a sampling seed of its own, from `seed`
+        (SGLang honours it under --enable-deterministic-inference; otherwise the server's own
+        --random-seed and its batching decide: docs/sglang.md). Besides
         `params.stop_token_ids`, SGLang stops at the model's own EOS tokens (its config), which
         the trainer's codec counts among its stop tokens anyway."""
         check_generate_request(prompts, n)
@@ -127,10 +128,10 @@ class SGLangEngine:
                     [prompts[i] for i in share],
                     params,
                     n,
-                    seed + k,
+                    [_sample_seed(seed, i * n + j) for i in share for j in range(n)],
                     return_routed_experts,
                 )
-                for k, (target, share) in enumerate(zip(targets, shares, strict=True))
+                for target, share in zip(targets, shares, strict=True)
                 if share
             ]
             results = [future.result() for future in futures]
@@ -142,21 +143,22 @@ class SGLangEngine:
         prompts: list[Sequence[int]],
         params: SamplingParams,
         n: int,
-        seed: int,
+        sample_seeds: list[int],
         return_routed_experts: bool,
     ) -> list[list[Sample]]:
         sampling: dict[str, Any] = {
             "temperature": params.temperature,
             "top_p": params.top_p,
             "max_new_tokens": params.max_new_tokens,
-            "n": n,
-            "sampling_seed": seed,
         }
         if params.stop_token_ids:
             sampling["stop_token_ids"] = list(params.stop_token_ids)
+        # Each sample an item of its own (prompt-major, as SGLang answers `n`): SGLang gives the
+        # n copies of an item asked for `n` samples the item's one seed, and where it honours
+        # seeds a group's samples would all be the same.
         body = {
-            "input_ids": [list(prompt) for prompt in prompts],
-            "sampling_params": sampling,
+            "input_ids": [list(prompt) for prompt in prompts for _ in range(n)],
+            "sampling_params": [sampling | {"sampling_seed": seed} for seed in sample_seeds],
             "return_logprob": True,
             "return_routed_experts": return_routed_experts,
         }
@@ -288,6 +290,12 @@ class SGLangEngine:
             if served != str(self._version):
                 server.post("/update_weight_version", {"new_version": str(self._version)})
         return server.post(path, body)
+
+
+def _sample_seed(seed: int, index: int) -> int:
+    """The sampling seed of sample `index` of a request seeded `seed`: distinct for 2**32
+    samples per request, and between requests whose seeds differ (SGLang takes int64)."""
+    return ((seed << 32) + index) % 2**63
 
 
 def _split(count: int, parts: int) -> list[list[int]]:
