@@ -69,6 +69,9 @@ def _wait_for_step(run_dir, step: int, job_id: str, cluster: SlurmCluster) -> No
     raise AssertionError(f"step {step} not logged in 240 s")
 
 
+# the two-node job of test_slurm_multinode.py runs the same preemption in the default suite,
+# with these checks; this one-node case stays for machines without network namespaces
+@pytest.mark.extended
 def test_a_preempted_job_checkpoints_requeues_resumes_and_repeats_torchrun(tmp_path, cluster):
     reference = tmp_path / "torchrun"
     result = train_cli(reference, RESUMED_RUN, nproc=2)

@@ -266,7 +266,7 @@ def _interrupted_two_node_run(tmp_path: Path, interrupt: list[str], step: int) -
     try:
         whole = _one_node_reference(tmp_path / "torchrun", RESUMED_RUN)
         run_dir = tmp_path / "two-nodes"
-        job_id = _submit_two_node_job(cluster, run_dir, RESUMED_RUN)
+        job_id = _submit_two_node_job(cluster, run_dir, [*RESUMED_RUN, "checkpoint.export_hf=true"])
         _wait_for_step(cluster, job_id, run_dir, step)
         cluster.run(*interrupt, job_id)
         fields = cluster.wait_for_job(
@@ -283,6 +283,13 @@ def _interrupted_two_node_run(tmp_path: Path, interrupt: list[str], step: int) -
     # the second start trained on both nodes again, from the checkpoint (the metrics below)
     assert f"start 1: training on {','.join(cluster.network.hostnames[:2])}" in logs, logs[-3000:]
     check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)))
+    # the last two checkpoints kept, the policy exported at the end
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "latest",
+        "step_000002",
+        "step_000003",
+    ]
+    assert (run_dir / "export" / "config.json").is_file()
     return logs
 
 
@@ -292,8 +299,12 @@ def test_the_time_limit_signal_checkpoints_both_nodes_requeues_and_resumes_as_on
     requeues itself and its second start resumes there on both nodes; the metrics equal the
     uninterrupted one-node run's, step for step, to the last bit."""
     logs = _interrupted_two_node_run(tmp_path, ["scancel", "--signal=USR1", "--batch"], step=1)
+    # the run stops after the step it is in (1, while its checkpoint is being written, or 2),
+    # the batch script requeues the job and its second start resumes from that checkpoint
     stopped = re.search(r"megatron-rl: stopped after step (\d); its checkpoint is (\S+);", logs)
     assert stopped and stopped[1] in ("1", "2"), logs[-3000:]
+    assert stopped[2].endswith(f"step_00000{stopped[1]}") and "--resume" in logs, logs[-3000:]
+    assert "requeueing job" in logs, logs[-3000:]
     # each node's task ended with the graceful status (none stopped by the other's exit)
     for task in (0, 1):
         assert f"task {task}: Exited with exit code 138" in logs, logs[-3000:]

@@ -277,17 +277,23 @@ def test_prompts_are_split_over_servers_and_answers_kept_in_order(scripted):
 
 def test_with_a_router_generation_goes_through_it_and_weights_to_every_server(scripted):
     prompts = [[3, 4], [5, 6]]  # of one length: either answer fits either request
-    router = scripted([(200, _answers(prompts[:1], 1)), (200, _answers(prompts[1:], 1))])
+    router = scripted([(200, _answers(prompts[:1], 1))] * 4)
     ok = '{"success": true, "message": ""}'
     workers = [scripted([(200, ok)]) for _ in range(2)]
     engine = SGLangEngine(
         [w.url for w in workers], TensorSync([1, 1]), router_url=router.url, retry=QUICK
     )
-    groups = engine.generate(prompts, SamplingParams(max_new_tokens=2))
-    assert [group[0].prompt_ids for group in groups] == [tuple(p) for p in prompts]
-    # one request per server, at once: the router places each on a server whole
-    assert [path for path, _ in router.requests] == ["/generate"] * 2
-    assert sorted(body["input_ids"] for _, body in router.requests) == [[p] for p in prompts]
+    groups = engine.generate(prompts, SamplingParams(max_new_tokens=2), n=2)
+    assert [[sample.prompt_ids for sample in group] for group in groups] == [
+        [tuple(p)] * 2 for p in prompts
+    ]
+    # a request per sample, at once: the router places each on a server whole; one object of
+    # sampling parameters each (the router takes no list), each with a seed of its own
+    assert [path for path, _ in router.requests] == ["/generate"] * 4
+    bodies = [body for _, body in router.requests]
+    assert sorted(body["input_ids"] for body in bodies) == [[p] for p in prompts for _ in "ab"]
+    assert all(isinstance(body["sampling_params"], dict) for body in bodies)
+    assert len({body["sampling_params"]["sampling_seed"] for body in bodies}) == 4
     assert not any(path == "/generate" for w in workers for path, _ in w.requests)
     with pytest.raises(SGLangError, match="weight version"):  # the stand-ins report none
         engine.update_weights([[("w", torch.zeros(2))]], version=3)

@@ -1,10 +1,11 @@
 """The SGLang rollout engine: the RolloutEngine interface over one or more SGLang servers.
 
 Prompts are split into contiguous shares, one per server (data-parallel rollout), sent at once
-and answered in order. Behind an sglang-router the shares (still one per server) all go to the
-router, which places each request on a server whole: one request would keep one server busy and
-the others idle. Weight updates always go to every server directly (a router does not forward
-them).
+and answered in order. Behind an sglang-router each sample is a request of its own, all sent at
+once: the router places each request on a server whole (one request with every prompt would
+keep one server busy and the others idle), and takes one set of sampling parameters per request
+(each sample keeps its own seed). Weight updates always go to every server directly (a router
+does not forward them).
 
 A server that dies is noticed at once (its process is gone) when this engine manages it. It is
 started again from the latest weights on disk when the disk method keeps some; otherwise its
@@ -31,6 +32,10 @@ from megatron_rl.rollout.sglang.http import RetryPolicy, ServerConnection, Serve
 from megatron_rl.rollout.sglang.responses import parse_prompt_logprobs, parse_samples
 from megatron_rl.rollout.sglang.servers import ServerGroup
 from megatron_rl.rollout.sglang.weight_sync import DiskSync, WeightSync
+
+# Requests a router is sent at once per server behind it (one per sample): enough for a
+# server's running batch, bounded so that a large step does not start a thread per sample.
+ROUTER_REQUESTS_PER_SERVER = 256
 
 
 class SGLangEngine:
@@ -118,24 +123,37 @@ class SGLangEngine:
         self._require_healthy()
         if not prompts:
             return []
-        targets = self.servers if self.router is None else [self.router] * len(self.servers)
-        shares = _split(len(prompts), len(targets))
-        with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+        seeds = [[_sample_seed(seed, i * n + j) for j in range(n)] for i in range(len(prompts))]
+        if self.router is None:  # one request per server: its share of the prompts
+            shares = _split(len(prompts), len(self.servers))
+            requests = [
+                (server, share, [each for i in share for each in seeds[i]])
+                for server, share in zip(self.servers, shares, strict=True)
+                if share
+            ]
+        else:
+            # The router takes one sampling_params object per request: a request per sample,
+            # each with its seed, all at once for the router to spread over the servers.
+            requests = [(self.router, [i], [one]) for i, group in enumerate(seeds) for one in group]
+        in_flight = min(len(requests), ROUTER_REQUESTS_PER_SERVER * len(self.servers))
+        with ThreadPoolExecutor(max_workers=in_flight) as pool:
             futures = [
                 pool.submit(
                     self._generate_on,
                     target,
                     [prompts[i] for i in share],
                     params,
-                    n,
-                    [_sample_seed(seed, i * n + j) for i in share for j in range(n)],
+                    len(sample_seeds) // len(share),
+                    sample_seeds,
                     return_routed_experts,
                 )
-                for target, share in zip(targets, shares, strict=True)
-                if share
+                for target, share, sample_seeds in requests
             ]
             results = [future.result() for future in futures]
-        return [groups for result in results for groups in result]
+        if self.router is None:
+            return [group for result in results for group in result]
+        samples = [result[0][0] for result in results]
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate_on(
         self,
@@ -156,9 +174,11 @@ class SGLangEngine:
         # Each sample an item of its own (prompt-major, as SGLang answers `n`): SGLang gives the
         # n copies of an item asked for `n` samples the item's one seed, and where it honours
         # seeds a group's samples would all be the same.
+        items = [sampling | {"sampling_seed": seed} for seed in sample_seeds]
         body = {
             "input_ids": [list(prompt) for prompt in prompts for _ in range(n)],
-            "sampling_params": [sampling | {"sampling_seed": seed} for seed in sample_seeds],
+            # one object for one item: the router (a request per sample) takes no list
+            "sampling_params": items[0] if len(items) == 1 else items,
             "return_logprob": True,
             "return_routed_experts": return_routed_experts,
         }
