@@ -19,7 +19,6 @@ from tests.processes import is_running
 from tests.trainer.run_cli import (
     RECIPE,
     REPO,
-    RESUMED_RUN,
     SHORT_RUN,
     check_repeats,
     read_metrics,
@@ -114,7 +113,8 @@ def _wait_for_step(cluster: SlurmCluster, job_id: str, run_dir: Path, step: int)
     deadline = time.monotonic() + 180
     while not (metrics.exists() and f'"step": {step},' in metrics.read_text()):
         assert time.monotonic() < deadline, (cluster.job(job_id), _job_logs(run_dir)[-3000:])
-        assert not _ended(cluster.job(job_id)), _job_logs(run_dir)[-3000:]
+        job = cluster.job(job_id)
+        assert job["JobState"] == "REQUEUED" or not _ended(job), _job_logs(run_dir)[-3000:]
         time.sleep(0.2)
 
 
@@ -258,17 +258,25 @@ def test_a_rollout_node_job_samples_and_trains_as_the_one_node_run(tmp_path):
     check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)), near=("mismatch/",))
 
 
-def _interrupted_two_node_run(tmp_path: Path, interrupt: list[str], step: int) -> str:
-    """A two-node job of RESUMED_RUN interrupted by the SLURM command `interrupt` (JOBID
-    appended) once `step` is logged: it must requeue once, train its second start on both nodes
-    and end with the uninterrupted one-node run's metrics. Returns the job's logs."""
+def test_a_two_node_job_requeued_by_signal_then_by_scontrol_resumes_as_one_node(tmp_path):
+    """One two-node job interrupted twice, each time resumed on both nodes from the shared
+    directory, ends with the uninterrupted one-node run's metrics, step for step, to the last
+    bit. First SLURM's signal before the time limit (`--signal=B:USR1@...`, USR1 to the batch
+    shell): both nodes' ranks stop after the step they are in, save, exit 138, and the batch
+    script requeues the job. Then `scontrol requeue` in the second start: SLURM stops every
+    node's ranks at once (no save), and the third start resumes from the last periodic
+    checkpoint, the steps after it repeated and logged once."""
+    run = ["run.steps=6", "checkpoint.save_every=1", "run.eval_every=3"]
     cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
     try:
-        whole = _one_node_reference(tmp_path / "torchrun", RESUMED_RUN)
+        whole = _one_node_reference(tmp_path / "torchrun", run)
         run_dir = tmp_path / "two-nodes"
-        job_id = _submit_two_node_job(cluster, run_dir, [*RESUMED_RUN, "checkpoint.export_hf=true"])
-        _wait_for_step(cluster, job_id, run_dir, step)
-        cluster.run(*interrupt, job_id)
+        job_id = _submit_two_node_job(cluster, run_dir, [*run, "checkpoint.export_hf=true"])
+        _wait_for_step(cluster, job_id, run_dir, 1)
+        cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+        # the first start stops after step 1 or 2: step 4 is the second start's
+        _wait_for_step(cluster, job_id, run_dir, 4)
+        cluster.run("scontrol", "requeue", job_id)
         fields = cluster.wait_for_job(
             job_id,
             lambda job: job["JobState"] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"),
@@ -279,45 +287,28 @@ def _interrupted_two_node_run(tmp_path: Path, interrupt: list[str], step: int) -
     finally:
         cluster.stop()
     assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
-    assert fields["Restarts"] == "1", fields
-    # the second start trained on both nodes again, from the checkpoint (the metrics below)
-    assert f"start 1: training on {','.join(cluster.network.hostnames[:2])}" in logs, logs[-3000:]
+    assert fields["Restarts"] == "2", fields
+    # each later start trained on both nodes again, from a checkpoint (the metrics below)
+    hosts = ",".join(cluster.network.hostnames[:2])
+    for start in (1, 2):
+        assert f"start {start}: training on {hosts}" in logs, logs[-3000:]
     check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)))
-    # the last two checkpoints kept, the policy exported at the end
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "latest",
-        "step_000002",
-        "step_000003",
-    ]
-    assert (run_dir / "export" / "config.json").is_file()
-    return logs
-
-
-def test_the_time_limit_signal_checkpoints_both_nodes_requeues_and_resumes_as_one_node(tmp_path):
-    """SLURM's signal before the time limit (`--signal=B:USR1@...`) reaches a two-node job:
-    both nodes' ranks stop after the step, its checkpoint lands on the shared directory, the job
-    requeues itself and its second start resumes there on both nodes; the metrics equal the
-    uninterrupted one-node run's, step for step, to the last bit."""
-    logs = _interrupted_two_node_run(tmp_path, ["scancel", "--signal=USR1", "--batch"], step=1)
-    # the run stops after the step it is in (1, while its checkpoint is being written, or 2),
-    # the batch script requeues the job and its second start resumes from that checkpoint
-    stopped = re.search(r"megatron-rl: stopped after step (\d); its checkpoint is (\S+);", logs)
-    assert stopped and stopped[1] in ("1", "2"), logs[-3000:]
-    assert stopped[2].endswith(f"step_00000{stopped[1]}") and "--resume" in logs, logs[-3000:]
-    assert "requeueing job" in logs, logs[-3000:]
+    # one graceful stop (the signal's; scontrol's requeue saves nothing): after the step the run
+    # was in (1, while its checkpoint was being written, or 2), then the batch script requeued
+    stopped = re.findall(r"megatron-rl: stopped after step (\d); its checkpoint is (\S+);", logs)
+    assert len(stopped) == 1 and stopped[0][0] in ("1", "2"), logs[-3000:]
+    assert stopped[0][1].endswith(f"step_00000{stopped[0][0]}"), stopped
+    assert "requeueing job" in logs and "--resume" in logs, logs[-3000:]
     # each node's task ended with the graceful status (none stopped by the other's exit)
     for task in (0, 1):
         assert f"task {task}: Exited with exit code 138" in logs, logs[-3000:]
-
-
-# a minute and a half; the graceful requeue above runs in the default suite
-@pytest.mark.extended
-def test_a_requeue_mid_run_stops_both_nodes_and_resumes_from_the_last_checkpoint(tmp_path):
-    """`scontrol requeue` of a running two-node job: SLURM stops every node's ranks at once (no
-    save), starts the job again, and it resumes on both nodes from the last periodic checkpoint,
-    the steps after it repeated and logged once: the one-node run's metrics, to the last bit."""
-    logs = _interrupted_two_node_run(tmp_path, ["scontrol", "requeue"], step=2)
-    assert "megatron-rl: stopped after step" not in logs  # no graceful stop: a requeue
+    # the last two checkpoints kept, the policy exported at the end
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "latest",
+        "step_000005",
+        "step_000006",
+    ]
+    assert (run_dir / "export" / "config.json").is_file()
 
 
 # a minute; tests/sglang/test_http_errors.py covers a server that stops answering (the deadline,
