@@ -502,7 +502,7 @@ rollout=(
 
 _ROUTER_BLOCK = """\
 # One sglang-router in front of the servers, on this (the batch) node; generation goes through it.
-# The trainer sends it one request per server at once; round-robin puts one on each server.
+# The trainer sends it a request per sample, all at once; round-robin spreads them evenly.
 router_url="http://$SLURMD_NODENAME:@ROUTER_PORT@"
 @SGLANG_PYTHON@ -m sglang_router.launch_router --host 0.0.0.0 --port @ROUTER_PORT@ \\
   --policy round_robin --worker-urls "${urls[@]}" >>"$log_dir/router-$SLURM_JOB_ID.out" 2>&1 &
