@@ -254,7 +254,7 @@ def test_a_rollout_node_job_samples_and_trains_as_the_one_node_run(tmp_path):
     whole = _one_node_reference(
         tmp_path / "one-node", ["rollout.sglang.weight_sync=disk"], SGLANG_RECIPE
     )
-    assert whole[2]["reward/mean"] != whole[1]["reward/mean"]  # not a constant run
+    assert all(whole[step]["grad_norm"] > 0 for step in (1, 2))  # a run that trained
     check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)), near=("mismatch/",))
 
 
