@@ -143,7 +143,6 @@ class SGLangEngine:
                     target,
                     [prompts[i] for i in share],
                     params,
-                    len(sample_seeds) // len(share),
                     sample_seeds,
                     return_routed_experts,
                 )
@@ -160,10 +159,12 @@ class SGLangEngine:
         server: ServerConnection,
         prompts: list[Sequence[int]],
         params: SamplingParams,
-        n: int,
         sample_seeds: list[int],
         return_routed_experts: bool,
     ) -> list[list[Sample]]:
+        """`len(sample_seeds) // len(prompts)` samples of each prompt, sample k of the request
+        seeded `sample_seeds[k]` (prompt-major)."""
+        n = len(sample_seeds) // len(prompts)
         sampling: dict[str, Any] = {
             "temperature": params.temperature,
             "top_p": params.top_p,
