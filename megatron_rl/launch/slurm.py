@@ -15,7 +15,10 @@ The script, in order (docs/slurm.md):
 - preemption and time limits: SLURM sends the recipe's first `checkpoint.save_on_signals`
   signal to the batch shell (`--signal=B:...`), which passes it to the trainer's step; the
   trainer finishes its step, saves and exits 128 + signum, and the script requeues the job; a
-  requeued job (SLURM_RESTART_COUNT > 0) trains with `--resume`.
+  requeued job (SLURM_RESTART_COUNT > 0) trains with `--resume`;
+- a dead trainer node: after a failed step the script tries every trainer node, and when one does
+  not answer it waits for SLURM to declare that node down and requeue the job, instead of ending
+  it FAILED first.
 Every step and process the script starts is stopped by its PID when the script exits.
 """
 
@@ -40,6 +43,9 @@ _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,+-]+$")
 _TIME_LIMIT = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2}):(\d{2})$")
 # How long the trainer step's other nodes may take to end after one node's task ended (_NODE_STEP)
 NODE_EXIT_WAIT_S = 30
+# How long a job step of `true` on every trainer node may take to answer, after a failed step: a
+# dead node's launch fails after MessageTimeout (10 s by default)
+NODE_PROBE_S = 30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,8 +235,10 @@ def render_train_script(
         "@SIGNAL_BEFORE@": str(job.signal_before_s),
         "@STOP_CODE@": str(128 + stop.value),
         "@RESUME@": "--resume" if job.resume else "",
-        # the job steps of one start: the rollout servers' (with rollout nodes), the trainer's
-        "@STEPS_PER_START@": str(1 + (rollout is not None)),
+        # the job steps of one start: the rollout servers' (with rollout nodes), the trainer's,
+        # the probe of the trainer nodes after a failed step
+        "@STEPS_PER_START@": str(2 + (rollout is not None)),
+        "@NODE_PROBE_S@": str(NODE_PROBE_S),
     } | _common_substitutions(job, log_dir)
     step = _node_step(
         "train", f'{train_args} "${{rollout[@]}}" "${{resume[@]}}"', graceful=graceful
@@ -409,6 +417,36 @@ for ((spent = 0; spent < ${SLURM_RESTART_COUNT:-0} * @STEPS_PER_START@; spent++)
   srun --nodes=1 --ntasks=1 --nodelist="${nodes[0]}" --output=/dev/null true
 done
 
+# A trainer node that dies (power, kernel, network) fails the step on every node. SLURM requeues
+# the job once it declares that node down (SlurmdTimeout after its last answer; 300 s by default),
+# but only while this script still runs, and srun gives up on the dead node's task about a minute
+# after the other nodes' tasks ended (--wait, then KillWait). So after a failed step, a job step
+# of `true` on every trainer node (sharing the failed step's CPUs, which SLURM holds until the dead
+# node answers): when it does not run, a node died, and this script waits for SLURM's verdict,
+# which requeues the job and stops the script. A step that failed on nodes that all answer fails
+# the job at once.
+await_requeue_if_a_node_died() {
+  if timeout @NODE_PROBE_S@ srun --overlap --nodes=@TRAINER_NODES@ --ntasks=@TRAINER_NODES@ \\
+    --ntasks-per-node=1 --nodelist="$trainer_list" --output=/dev/null true; then
+    return
+  fi
+  local silent_s
+  silent_s=$(scontrol show config | awk '$1 == "SlurmdTimeout" {print $3}')
+  if ! [ "${silent_s:-0}" -gt 0 ] 2>/dev/null; then
+    echo "megatron-rl: a trainer node does not answer, and this cluster declares no node down" \\
+      "(SlurmdTimeout=${silent_s:-?}); resubmit with --resume once it is back" >&2
+    return
+  fi
+  # SLURM looks at its nodes every third of SlurmdTimeout
+  local wait_s=$((silent_s + silent_s / 3 + @NODE_PROBE_S@))
+  echo "megatron-rl: a trainer node does not answer; waiting up to $wait_s s for SLURM to" \\
+    "declare it down and requeue job $SLURM_JOB_ID" >&2
+  sleep "$wait_s" &
+  started+=("$!")
+  wait "$!" || true
+  echo "megatron-rl: SLURM did not requeue job $SLURM_JOB_ID within $wait_s s" >&2
+}
+
 rollout=()
 @ROLLOUT_BLOCK@
 resume=(@RESUME@)
@@ -437,6 +475,8 @@ done
 if [ "$status" -eq @STOP_CODE@ ]; then
   echo "megatron-rl: the trainer saved a checkpoint on SIG@SIGNAL@; requeueing job $SLURM_JOB_ID"
   scontrol requeue "$SLURM_JOB_ID"
+elif [ "$status" -ne 0 ]; then
+  await_requeue_if_a_node_died
 fi
 exit "$status"
 """

@@ -61,8 +61,9 @@ def test_rendered_scripts_pass_shellcheck(tmp_path, nodes, rollout_nodes):
     assert f"# Trainer: world {nodes * 8} = tp1 * cp1 * pp2 * dp{nodes * 4}" in script
     assert ("sglang_router.launch_router" in script) == (rollout_nodes * 2 > 1)
     assert ("megatron_rl.launch.rollout_server" in script) == (rollout_nodes > 0)
-    # a restart spends the step numbers of every earlier start: the servers' and the trainer's
-    steps_per_start = 2 if rollout_nodes else 1
+    # a restart spends the step numbers of every earlier start: the servers', the trainer's and
+    # the probe of the trainer nodes after a failed step
+    steps_per_start = 3 if rollout_nodes else 2
     assert f"spent < ${{SLURM_RESTART_COUNT:-0}} * {steps_per_start}; spent++" in script
     assert "pkill" not in script and "killall" not in script
 
