@@ -151,8 +151,6 @@ def test_a_two_node_job_repeats_the_one_node_run(tmp_path):
     check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)))
 
 
-# two minutes; the timeout itself is in the default suite (tests/parallel/test_distributed.py)
-@pytest.mark.extended
 def test_a_network_cut_between_trainer_nodes_fails_the_ranks_within_the_collective_timeout(
     tmp_path,
 ):
@@ -186,30 +184,35 @@ def test_a_network_cut_between_trainer_nodes_fails_the_ranks_within_the_collecti
 SGLANG_RECIPE = REPO / "examples" / "moe" / "tiny_gspo_sglang.yaml"
 
 
-def _rollout_node_job(tmp_path: Path, weight_sync: str, per_node: int) -> Path:
+def _submit_rollout_node_job(
+    cluster: SlurmCluster, run_dir: Path, overrides: list[str], per_node: int
+) -> str:
     """`--nodes 2 --rollout-nodes 1 --gpus-per-node PER_NODE` with the CPU SGLang recipe:
     PER_NODE trainer ranks on each of the first two nodes, PER_NODE real SGLang servers (CPU)
-    on the third (behind an sglang-router on the first node when several), the weights synced
-    into them after every step by `weight_sync`. Checks that the job completed on those nodes,
+    on the third (behind an sglang-router on the first node when several); the job id."""
+    return _submit_two_node_job(
+        cluster,
+        run_dir,
+        overrides,
+        recipe=SGLANG_RECIPE,
+        job_options=("--rollout-nodes=1", f"--gpus-per-node={per_node}"),
+    )
+
+
+def _run_rollout_node_job(
+    cluster: SlurmCluster, run_dir: Path, weight_sync: str, per_node: int
+) -> None:
+    """A rollout-node job (`_submit_rollout_node_job`) run to its end, the weights synced into
+    the servers after every step by `weight_sync`. Checks that it completed on those nodes,
     each server took each step's weights the way asked and the trainer sampled through the
-    router; returns the run directory."""
-    cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
-    try:
-        run_dir = tmp_path / "rollout-node"
-        job_id = _submit_two_node_job(
-            cluster,
-            run_dir,
-            [f"rollout.sglang.weight_sync={weight_sync}"],
-            recipe=SGLANG_RECIPE,
-            job_options=("--rollout-nodes=1", f"--gpus-per-node={per_node}"),
-        )
-        fields = cluster.wait_for_job(job_id, _ended, timeout_s=420, what="finished")
-        logs = _job_logs(run_dir)
-    finally:
-        cluster.stop()
+    router."""
+    overrides = [f"rollout.sglang.weight_sync={weight_sync}"]
+    job_id = _submit_rollout_node_job(cluster, run_dir, overrides, per_node)
+    fields = cluster.wait_for_job(job_id, _ended, timeout_s=420, what="finished")
+    logs = _job_logs(run_dir)
     assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
     trainers, rollout = cluster.network.hostnames[:2], cluster.network.hostnames[2]
-    server_logs = sorted((run_dir / "slurm").glob(f"*-rollout-{rollout}-*.out"))
+    server_logs = sorted((run_dir / "slurm").glob(f"*-{job_id}-rollout-{rollout}-*.out"))
     assert len(server_logs) == per_node
     for server_log in server_logs:
         text = server_log.read_text()
@@ -217,12 +220,11 @@ def _rollout_node_job(tmp_path: Path, weight_sync: str, per_node: int) -> Path:
         assert f"update_weights_from_{weight_sync}" in text
         # and sampled: behind the router too, each server takes a share of every step
         assert "POST /generate" in text, text[-3000:]
-    routers = list((run_dir / "slurm").glob("router-*.out"))
+    routers = list((run_dir / "slurm").glob(f"router-{job_id}.out"))
     assert len(routers) == (per_node > 1), routers
     if routers:  # the trainer sampled through it
         assert "/generate" in routers[0].read_text()
     assert all(host in logs for host in trainers), logs[-3000:]
-    return run_dir
 
 
 def test_two_servers_on_a_rollout_node_serve_two_trainer_nodes_through_a_router(tmp_path):
@@ -231,7 +233,12 @@ def test_two_servers_on_a_rollout_node_serve_two_trainer_nodes_through_a_router(
     servers sample from the trainer's weights of each step (their log-probs are the trainer's,
     the probe after each sync passes). Their samples are not compared with a one-node run's:
     which server takes which request depends on their arrival at the router."""
-    metrics = read_metrics(_rollout_node_job(tmp_path, "distributed", per_node=2))
+    cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
+    try:
+        _run_rollout_node_job(cluster, tmp_path / "rollout-node", "distributed", per_node=2)
+    finally:
+        cluster.stop()
+    metrics = read_metrics(tmp_path / "rollout-node")
     for step in (1, 2):
         record = metrics[step]
         # the server computes in float32 like the trainer, from the weights synced before
@@ -240,18 +247,67 @@ def test_two_servers_on_a_rollout_node_serve_two_trainer_nodes_through_a_router(
         assert record["sync/bytes"] > 5e6
 
 
-def test_a_rollout_node_job_samples_and_trains_as_the_one_node_run(tmp_path):
-    """One rank per trainer node and one server on the rollout node, weights over the shared
-    disk: the same samples, rewards, losses and gradients as the same recipe run under
-    torchrun on one node with the server the trainer starts itself (same seed, so the same
-    sampler seed), every metric to the last bit but the engine's log-prob mismatch, which
-    agrees within 1e-6 (SGLang's arithmetic follows how it batches the step's requests)."""
-    run_dir = _rollout_node_job(tmp_path / "job", "disk", per_node=1)
-    whole = _one_node_reference(
-        tmp_path / "one-node", ["rollout.sglang.weight_sync=disk"], SGLANG_RECIPE
-    )
+@pytest.mark.timeout(600)
+def test_a_rollout_node_job_trains_as_the_one_node_run_and_fails_clearly_without_its_server(
+    tmp_path,
+):
+    """Two jobs on one three-node cluster, each with one rank per trainer node and one server
+    on the rollout node, weights over the shared disk. The first runs to its end: the same
+    samples, rewards, losses and gradients as the same recipe run under torchrun on one node
+    with the server the trainer starts itself (same seed, so the same sampler seed), every
+    metric to the last bit but the engine's log-prob mismatch, which agrees within 1e-6
+    (SGLang's arithmetic follows how it batches the step's requests). The second has its
+    server killed after step 1 (SIGKILL to its job step): the trainer, whose servers are the
+    job's and not its own to restart, retries its requests until
+    rollout.sglang.request_deadline_s and fails the job with a line that says so; no step is
+    trained on anything but the synced weights, nothing is left half-written. The one-node run
+    runs while that trainer retries (the machine's CPUs idle then)."""
+    deadline_s = 20
+    cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
+    try:
+        run_dir = tmp_path / "job"
+        _run_rollout_node_job(cluster, run_dir, "disk", per_node=1)
+        killed_dir = tmp_path / "killed-server"
+        overrides = [
+            "run.steps=20",
+            "checkpoint.save_every=1",
+            "rollout.sglang.weight_sync=disk",
+            f"rollout.sglang.request_deadline_s={deadline_s}",
+        ]
+        job_id = _submit_rollout_node_job(cluster, killed_dir, overrides, per_node=1)
+        _wait_for_step(cluster, job_id, killed_dir, 1)
+        steps = cluster.run("squeue", "--steps", "--noheader", "--jobs", job_id, "--format=%i %N")
+        rollout_node = cluster.network.hostnames[2]
+        (server_step,) = [
+            line.split()[0] for line in steps.stdout.splitlines() if line.split()[1] == rollout_node
+        ]
+        cluster.run("scancel", "--signal=KILL", server_step)
+        killed = time.monotonic()
+        with ThreadPoolExecutor(max_workers=1) as background:
+            reference = background.submit(
+                _one_node_reference,
+                tmp_path / "one-node",
+                ["rollout.sglang.weight_sync=disk"],
+                SGLANG_RECIPE,
+            )
+            fields = cluster.wait_for_job(
+                job_id, _ended, timeout_s=4 * deadline_s + 60, what="ended"
+            )
+            ended = time.monotonic() - killed
+            whole = reference.result()
+        logs = _job_logs(killed_dir)
+    finally:
+        cluster.stop()
     assert all(whole[step]["grad_norm"] > 0 for step in (1, 2))  # a run that trained
     check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)), near=("mismatch/",))
+    # the job that lost its server
+    assert fields["JobState"] == "FAILED", (fields, logs[-3000:])
+    assert f"no usable answer within {deadline_s} s" in logs, logs[-3000:]
+    assert ended < 3 * deadline_s + 60, ended
+    assert not list(killed_dir.glob("checkpoints/.*partial"))
+    for step, record in read_metrics(killed_dir).items():
+        if step:  # every logged step sampled from the weights synced before it
+            assert record["sync/probe_mean_abs_diff"] < 1e-4, (step, record)
 
 
 # SLURM looks at its nodes every third of SlurmdTimeout and declares a node down at the first look
@@ -325,6 +381,13 @@ def test_a_two_node_job_stopped_three_ways_resumes_each_time_as_one_node(tmp_pat
     assert requeued < DEAD_NODE_SLURMD_TIMEOUT_S * 4 / 3 + 30, requeued
     assert "SLURM did not requeue" not in logs, logs[-3000:]
     assert not list(run_dir.glob("checkpoints/.*partial"))
+    # each start's trainer step took a number no earlier start had (megatron_rl.launch.slurm): a
+    # signal SLURM still holds for a dead node's step cannot reach a later start's (the extended
+    # test below has one delivered)
+    second_node = cluster.network.hostnames[1]
+    slurmd_log = (cluster.root / "log" / f"slurmd-{second_node}.log").read_text()
+    launched = re.findall(rf"launch task StepId={job_id}\.(\d+)", slurmd_log)
+    assert len(launched) == 4 and len(set(launched)) == 4, launched
     # the last two checkpoints kept, the policy exported at the end
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "latest",
@@ -332,52 +395,6 @@ def test_a_two_node_job_stopped_three_ways_resumes_each_time_as_one_node(tmp_pat
         "step_000008",
     ]
     assert (run_dir / "export" / "config.json").is_file()
-
-
-# a minute; tests/sglang/test_http_errors.py covers a server that stops answering (the deadline,
-# its URL) without SLURM
-@pytest.mark.extended
-def test_a_killed_rollout_server_fails_the_job_clearly_within_its_deadline(tmp_path):
-    """The rollout node's server killed mid-run (SIGKILL to its job step): the trainer, whose
-    servers are the job's and not its own to restart, retries its requests until
-    rollout.sglang.request_deadline_s and fails the job with a line that says so; no step is
-    trained on anything but the synced weights, nothing is left half-written."""
-    deadline_s = 20
-    cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
-    try:
-        run_dir = tmp_path / "killed-server"
-        job_id = _submit_two_node_job(
-            cluster,
-            run_dir,
-            [
-                "run.steps=20",
-                "checkpoint.save_every=1",
-                "rollout.sglang.weight_sync=disk",
-                f"rollout.sglang.request_deadline_s={deadline_s}",
-            ],
-            recipe=SGLANG_RECIPE,
-            job_options=("--rollout-nodes=1", "--gpus-per-node=1"),
-        )
-        _wait_for_step(cluster, job_id, run_dir, 1)
-        steps = cluster.run("squeue", "--steps", "--noheader", "--jobs", job_id, "--format=%i %N")
-        rollout_node = cluster.network.hostnames[2]
-        (server_step,) = [
-            line.split()[0] for line in steps.stdout.splitlines() if line.split()[1] == rollout_node
-        ]
-        cluster.run("scancel", "--signal=KILL", server_step)
-        killed = time.monotonic()
-        fields = cluster.wait_for_job(job_id, _ended, timeout_s=4 * deadline_s + 60, what="ended")
-        ended = time.monotonic() - killed
-        logs = _job_logs(run_dir)
-    finally:
-        cluster.stop()
-    assert fields["JobState"] == "FAILED", (fields, logs[-3000:])
-    assert f"no usable answer within {deadline_s} s" in logs, logs[-3000:]
-    assert ended < 3 * deadline_s + 60, ended
-    assert not list(run_dir.glob("checkpoints/.*partial"))
-    for step, record in read_metrics(run_dir).items():
-        if step:  # every logged step sampled from the weights synced before it
-            assert record["sync/probe_mean_abs_diff"] < 1e-4, (step, record)
 
 
 # five minutes: a node's death, SLURM's detection of it, its return, a whole run again; the default
