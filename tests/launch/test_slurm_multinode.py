@@ -199,18 +199,13 @@ def _submit_rollout_node_job(
     )
 
 
-def _run_rollout_node_job(
-    cluster: SlurmCluster, run_dir: Path, weight_sync: str, per_node: int
+def _check_rollout_node_logs(
+    cluster: SlurmCluster, run_dir: Path, job_id: str, weight_sync: str, per_node: int
 ) -> None:
-    """A rollout-node job (`_submit_rollout_node_job`) run to its end, the weights synced into
-    the servers after every step by `weight_sync`. Checks that it completed on those nodes,
-    each server took each step's weights the way asked and the trainer sampled through the
-    router."""
-    overrides = [f"rollout.sglang.weight_sync={weight_sync}"]
-    job_id = _submit_rollout_node_job(cluster, run_dir, overrides, per_node)
-    fields = cluster.wait_for_job(job_id, _ended, timeout_s=420, what="finished")
-    logs = _job_logs(run_dir)
-    assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
+    """The logs of a rollout-node job (`_submit_rollout_node_job`) that trained at least a step,
+    its weights synced into the servers after every step by `weight_sync`: it trained on both
+    trainer nodes, each server took the weights the way asked and sampled, through the router
+    when there is one."""
     trainers, rollout = cluster.network.hostnames[:2], cluster.network.hostnames[2]
     server_logs = sorted((run_dir / "slurm").glob(f"*-{job_id}-rollout-{rollout}-*.out"))
     assert len(server_logs) == per_node
@@ -224,64 +219,62 @@ def _run_rollout_node_job(
     assert len(routers) == (per_node > 1), routers
     if routers:  # the trainer sampled through it
         assert "/generate" in routers[0].read_text()
+    logs = _job_logs(run_dir)
     assert all(host in logs for host in trainers), logs[-3000:]
 
 
-def test_two_servers_on_a_rollout_node_serve_two_trainer_nodes_through_a_router(tmp_path):
-    """Two ranks per trainer node and two servers on the rollout node behind an sglang-router,
-    weights sent over a process group from the first node to the third after every step: the
-    servers sample from the trainer's weights of each step (their log-probs are the trainer's,
-    the probe after each sync passes). Their samples are not compared with a one-node run's:
-    which server takes which request depends on their arrival at the router."""
-    cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
-    try:
-        _run_rollout_node_job(cluster, tmp_path / "rollout-node", "distributed", per_node=2)
-    finally:
-        cluster.stop()
-    metrics = read_metrics(tmp_path / "rollout-node")
-    for step in (1, 2):
-        record = metrics[step]
-        # the server computes in float32 like the trainer, from the weights synced before
-        assert record["mismatch/k3"] < 1e-6, record
-        assert record["sync/probe_mean_abs_diff"] < 1e-4, record
-        assert record["sync/bytes"] > 5e6
+def _kill_rollout_servers(cluster: SlurmCluster, job_id: str) -> None:
+    """SIGKILL to the job step of the servers on the rollout node (all of them)."""
+    steps = cluster.run("squeue", "--steps", "--noheader", "--jobs", job_id, "--format=%i %N")
+    rollout_node = cluster.network.hostnames[2]
+    (server_step,) = [
+        line.split()[0] for line in steps.stdout.splitlines() if line.split()[1] == rollout_node
+    ]
+    cluster.run("scancel", "--signal=KILL", server_step)
 
 
 @pytest.mark.timeout(600)
-def test_a_rollout_node_job_trains_as_the_one_node_run_and_fails_clearly_without_its_server(
+def test_rollout_nodes_sample_and_train_as_one_node_and_fail_clearly_once_their_servers_die(
     tmp_path,
 ):
-    """Two jobs on one three-node cluster, each with one rank per trainer node and one server
-    on the rollout node, weights over the shared disk. The first runs to its end: the same
-    samples, rewards, losses and gradients as the same recipe run under torchrun on one node
-    with the server the trainer starts itself (same seed, so the same sampler seed), every
-    metric to the last bit but the engine's log-prob mismatch, which agrees within 1e-6
-    (SGLang's arithmetic follows how it batches the step's requests). The second has its
-    server killed after step 1 (SIGKILL to its job step): the trainer, whose servers are the
-    job's and not its own to restart, retries its requests until
+    """Two `--rollout-nodes 1` jobs of the CPU SGLang recipe on one three-node cluster.
+
+    The first, one rank per trainer node and one server on the rollout node, weights over the
+    shared disk, runs to its end: the same samples, rewards, losses and gradients as the same
+    recipe run under torchrun on one node with the server the trainer starts itself (same seed,
+    so the same sampler seed), every metric to the last bit but the engine's log-prob mismatch,
+    which agrees within 1e-6 (SGLang's arithmetic follows how it batches the step's requests).
+
+    The second, two ranks per trainer node and two servers on the rollout node behind an
+    sglang-router, weights sent over a process group from the first node to the third after
+    every step: the servers sample from the trainer's weights of each step (their log-probs
+    are the trainer's, the probe after each sync passes; their samples are not compared with a
+    one-node run's, as which server takes which request depends on their arrival at the
+    router). After step 2 both servers are killed (SIGKILL to their job step): the trainer,
+    whose servers are the job's and not its own to restart, retries its requests until
     rollout.sglang.request_deadline_s and fails the job with a line that says so; no step is
     trained on anything but the synced weights, nothing is left half-written. The one-node run
-    runs while that trainer retries (the machine's CPUs idle then)."""
+    of the first job runs while that trainer retries (the machine's CPUs idle then)."""
     deadline_s = 20
     cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
     try:
-        run_dir = tmp_path / "job"
-        _run_rollout_node_job(cluster, run_dir, "disk", per_node=1)
-        killed_dir = tmp_path / "killed-server"
+        run_dir = tmp_path / "disk-sync"
+        job_id = _submit_rollout_node_job(
+            cluster, run_dir, ["rollout.sglang.weight_sync=disk"], per_node=1
+        )
+        fields = cluster.wait_for_job(job_id, _ended, timeout_s=420, what="finished")
+        assert fields["JobState"] == "COMPLETED", (fields, _job_logs(run_dir)[-3000:])
+        _check_rollout_node_logs(cluster, run_dir, job_id, "disk", per_node=1)
+        router_dir = tmp_path / "router"
         overrides = [
             "run.steps=20",
             "checkpoint.save_every=1",
-            "rollout.sglang.weight_sync=disk",
+            "rollout.sglang.weight_sync=distributed",
             f"rollout.sglang.request_deadline_s={deadline_s}",
         ]
-        job_id = _submit_rollout_node_job(cluster, killed_dir, overrides, per_node=1)
-        _wait_for_step(cluster, job_id, killed_dir, 1)
-        steps = cluster.run("squeue", "--steps", "--noheader", "--jobs", job_id, "--format=%i %N")
-        rollout_node = cluster.network.hostnames[2]
-        (server_step,) = [
-            line.split()[0] for line in steps.stdout.splitlines() if line.split()[1] == rollout_node
-        ]
-        cluster.run("scancel", "--signal=KILL", server_step)
+        router_job = _submit_rollout_node_job(cluster, router_dir, overrides, per_node=2)
+        _wait_for_step(cluster, router_job, router_dir, 2)
+        _kill_rollout_servers(cluster, router_job)
         killed = time.monotonic()
         with ThreadPoolExecutor(max_workers=1) as background:
             reference = background.submit(
@@ -290,24 +283,30 @@ def test_a_rollout_node_job_trains_as_the_one_node_run_and_fails_clearly_without
                 ["rollout.sglang.weight_sync=disk"],
                 SGLANG_RECIPE,
             )
-            fields = cluster.wait_for_job(
-                job_id, _ended, timeout_s=4 * deadline_s + 60, what="ended"
+            router_fields = cluster.wait_for_job(
+                router_job, _ended, timeout_s=4 * deadline_s + 60, what="ended"
             )
             ended = time.monotonic() - killed
             whole = reference.result()
-        logs = _job_logs(killed_dir)
+        router_logs = _job_logs(router_dir)
     finally:
         cluster.stop()
     assert all(whole[step]["grad_norm"] > 0 for step in (1, 2))  # a run that trained
     check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)), near=("mismatch/",))
-    # the job that lost its server
-    assert fields["JobState"] == "FAILED", (fields, logs[-3000:])
-    assert f"no usable answer within {deadline_s} s" in logs, logs[-3000:]
-    assert ended < 3 * deadline_s + 60, ended
-    assert not list(killed_dir.glob("checkpoints/.*partial"))
-    for step, record in read_metrics(killed_dir).items():
+    # the router job: sampled from each step's weights, then failed within its deadline
+    _check_rollout_node_logs(cluster, router_dir, router_job, "distributed", per_node=2)
+    metrics = read_metrics(router_dir)
+    for step in (1, 2):
+        # the servers compute in float32 like the trainer, from the weights synced before
+        assert metrics[step]["mismatch/k3"] < 1e-6, metrics[step]
+        assert metrics[step]["sync/bytes"] > 5e6
+    for step, record in metrics.items():
         if step:  # every logged step sampled from the weights synced before it
             assert record["sync/probe_mean_abs_diff"] < 1e-4, (step, record)
+    assert router_fields["JobState"] == "FAILED", (router_fields, router_logs[-3000:])
+    assert f"no usable answer within {deadline_s} s" in router_logs, router_logs[-3000:]
+    assert ended < 3 * deadline_s + 60, ended
+    assert not list(router_dir.glob("checkpoints/.*partial"))
 
 
 # SLURM looks at its nodes every third of SlurmdTimeout and declares a node down at the first look
