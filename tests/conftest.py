@@ -4,6 +4,49 @@ On the 2-core CI machine the tiny models' operations gain nothing from a second 
 torch's threads wait for each other on a busy machine: a test of the in-process engine took
 14 s with 2 threads, 0.6 s with 1."""
 
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from subprocess import CompletedProcess
+
+import pytest
 import torch
 
+from tests.trainer.run_cli import REPO, train_cli
+
+SGLANG_RECIPE = REPO / "examples" / "moe" / "tiny_gspo_sglang.yaml"
+
 torch.set_num_threads(1)
+
+
+# The CPU SGLang recipe's short run on two ranks under torchrun, experts split over them (EP 2),
+# weights sent over a process group into the server rank 0 starts, each rank with as many threads
+# as the machine has CPUs (a SLURM test cluster node's ranks get them all: tests/launch).
+TWO_RANK_SGLANG_OVERRIDES = ("parallel.ep=2", "rollout.sglang.weight_sync=distributed")
+
+
+@pytest.fixture(scope="session")
+def two_rank_sglang_run(tmp_path_factory) -> Callable[[], tuple[CompletedProcess, Path]]:
+    """A function that returns that run's result and directory, running it the first time it is
+    called in the session (from any thread; a second caller waits for the first): two tests
+    check it, tests/sglang as the shipped example and tests/launch against a two-node job."""
+    lock = threading.Lock()
+    done: list[tuple[CompletedProcess, Path]] = []
+
+    def run() -> tuple[CompletedProcess, Path]:
+        with lock:
+            if not done:
+                run_dir = tmp_path_factory.mktemp("two_rank_sglang")
+                result = train_cli(
+                    run_dir,
+                    list(TWO_RANK_SGLANG_OVERRIDES),
+                    nproc=2,
+                    recipe=SGLANG_RECIPE,
+                    timeout=600,
+                    extra_env={"OMP_NUM_THREADS": str(os.cpu_count())},
+                )
+                done.append((result, run_dir))
+            return done[0]
+
+    return run

@@ -530,7 +530,7 @@ wait_healthy() {
       echo "megatron-rl: $1 did not answer /health in @STARTUP_S@ s; logs in $log_dir" >&2
       exit 1
     fi
-    sleep 5
+    sleep 1
   done
 }
 for url in "${urls[@]}"; do wait_healthy "$url" "$servers"; done

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import SGLANG_RECIPE, TWO_RANK_SGLANG_OVERRIDES
 from tests.launch.slurm_cluster import SlurmCluster, missing_reason
 from tests.processes import is_running
 from tests.trainer.run_cli import (
@@ -119,14 +120,12 @@ def _wait_for_step(cluster: SlurmCluster, job_id: str, run_dir: Path, step: int)
         time.sleep(0.2)
 
 
-def _one_node_reference(run_dir: Path, overrides: list[str], recipe: Path = RECIPE) -> dict:
+def _one_node_reference(run_dir: Path, overrides: list[str]) -> dict:
     """The same run under torchrun on one node, two ranks with as many threads each as a
     two-node job's ranks get, the test cluster's CPUs per node (another count sums the matrix
     products in another order)."""
     cpus = str(os.cpu_count())  # a test cluster node's CPUs: the machine's (slurm_cluster.py)
-    result = train_cli(
-        run_dir, overrides, nproc=2, extra_env={"OMP_NUM_THREADS": cpus}, recipe=recipe
-    )
+    result = train_cli(run_dir, overrides, nproc=2, extra_env={"OMP_NUM_THREADS": cpus})
     assert result.returncode == 0, result.stderr[-3000:]
     return read_metrics(run_dir)
 
@@ -155,8 +154,9 @@ def test_a_network_cut_between_trainer_nodes_fails_the_ranks_within_the_collecti
     tmp_path,
 ):
     # above the longest wait between collectives here: the other rank waits on rank 0's
-    # generation and evaluation (a 10 s timeout failed the job before its first step)
-    timeout_s = 40
+    # generation and evaluation (a 10 s timeout failed the job before its first step once; it
+    # passed three steps on 2026-12-05)
+    timeout_s = 25
     cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
     try:
         run_dir = tmp_path / "cut"
@@ -179,9 +179,6 @@ def test_a_network_cut_between_trainer_nodes_fails_the_ranks_within_the_collecti
         cluster.stop()
     assert logs.count(failed) >= 2 and ended < 2 * timeout_s, (ended, logs[-3000:])
     assert not list(run_dir.glob("checkpoints/.*partial"))
-
-
-SGLANG_RECIPE = REPO / "examples" / "moe" / "tiny_gspo_sglang.yaml"
 
 
 def _submit_rollout_node_job(
@@ -235,41 +232,43 @@ def _kill_rollout_servers(cluster: SlurmCluster, job_id: str) -> None:
 
 @pytest.mark.timeout(600)
 def test_rollout_nodes_sample_and_train_as_one_node_and_fail_clearly_once_their_servers_die(
-    tmp_path,
+    tmp_path, two_rank_sglang_run
 ):
     """Two `--rollout-nodes 1` jobs of the CPU SGLang recipe on one three-node cluster.
 
-    The first, one rank per trainer node and one server on the rollout node, weights over the
-    shared disk, runs to its end: the same samples, rewards, losses and gradients as the same
-    recipe run under torchrun on one node with the server the trainer starts itself (same seed,
-    so the same sampler seed), every metric to the last bit but the engine's log-prob mismatch,
-    which agrees within 1e-6 (SGLang's arithmetic follows how it batches the step's requests).
+    The first, one rank per trainer node with the experts split over them (EP 2 across the
+    nodes) and one server on the rollout node, weights sent over a process group from the first
+    node to the third after every step, runs to its end: the same samples, rewards, losses and
+    gradients as the same recipe run under torchrun on one node with the server the trainer
+    starts itself (`two_rank_sglang_run`; same seed, so the same sampler seed), every metric to
+    the last bit but the engine's log-prob mismatch, which agrees within 1e-6 (SGLang's
+    arithmetic follows how it batches the step's requests).
 
     The second, two ranks per trainer node and two servers on the rollout node behind an
-    sglang-router, weights sent over a process group from the first node to the third after
-    every step: the servers sample from the trainer's weights of each step (their log-probs
-    are the trainer's, the probe after each sync passes; their samples are not compared with a
-    one-node run's, as which server takes which request depends on their arrival at the
-    router). After step 2 both servers are killed (SIGKILL to their job step): the trainer,
-    whose servers are the job's and not its own to restart, retries its requests until
-    rollout.sglang.request_deadline_s and fails the job with a line that says so; no step is
-    trained on anything but the synced weights, nothing is left half-written. The one-node run
-    of the first job runs while that trainer retries (the machine's CPUs idle then)."""
+    sglang-router, weights over the shared disk: the servers sample from the trainer's weights
+    of each step (their log-probs are the trainer's, the probe after each sync passes; their
+    samples are not compared with a one-node run's, as which server takes which request depends
+    on their arrival at the router). After step 2 both servers are killed (SIGKILL to their job
+    step): the trainer, whose servers are the job's and not its own to restart, retries its
+    requests until rollout.sglang.request_deadline_s and fails the job with a line that says so;
+    no step is trained on anything but the synced weights, nothing is left half-written. The
+    one-node run runs while that trainer retries (the machine's CPUs idle then), unless this
+    session ran it already."""
     deadline_s = 20
     cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
     try:
-        run_dir = tmp_path / "disk-sync"
+        run_dir = tmp_path / "expert-parallel"
         job_id = _submit_rollout_node_job(
-            cluster, run_dir, ["rollout.sglang.weight_sync=disk"], per_node=1
+            cluster, run_dir, list(TWO_RANK_SGLANG_OVERRIDES), per_node=1
         )
         fields = cluster.wait_for_job(job_id, _ended, timeout_s=420, what="finished")
         assert fields["JobState"] == "COMPLETED", (fields, _job_logs(run_dir)[-3000:])
-        _check_rollout_node_logs(cluster, run_dir, job_id, "disk", per_node=1)
+        _check_rollout_node_logs(cluster, run_dir, job_id, "distributed", per_node=1)
         router_dir = tmp_path / "router"
         overrides = [
             "run.steps=20",
             "checkpoint.save_every=1",
-            "rollout.sglang.weight_sync=distributed",
+            "rollout.sglang.weight_sync=disk",
             f"rollout.sglang.request_deadline_s={deadline_s}",
         ]
         router_job = _submit_rollout_node_job(cluster, router_dir, overrides, per_node=2)
@@ -277,24 +276,21 @@ def test_rollout_nodes_sample_and_train_as_one_node_and_fail_clearly_once_their_
         _kill_rollout_servers(cluster, router_job)
         killed = time.monotonic()
         with ThreadPoolExecutor(max_workers=1) as background:
-            reference = background.submit(
-                _one_node_reference,
-                tmp_path / "one-node",
-                ["rollout.sglang.weight_sync=disk"],
-                SGLANG_RECIPE,
-            )
+            reference = background.submit(two_rank_sglang_run)
             router_fields = cluster.wait_for_job(
                 router_job, _ended, timeout_s=4 * deadline_s + 60, what="ended"
             )
             ended = time.monotonic() - killed
-            whole = reference.result()
+            one_node, one_node_dir = reference.result()
         router_logs = _job_logs(router_dir)
     finally:
         cluster.stop()
+    assert one_node.returncode == 0, one_node.stderr[-3000:]
+    whole = read_metrics(one_node_dir)
     assert all(whole[step]["grad_norm"] > 0 for step in (1, 2))  # a run that trained
     check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)), near=("mismatch/",))
     # the router job: sampled from each step's weights, then failed within its deadline
-    _check_rollout_node_logs(cluster, router_dir, router_job, "distributed", per_node=2)
+    _check_rollout_node_logs(cluster, router_dir, router_job, "disk", per_node=2)
     metrics = read_metrics(router_dir)
     for step in (1, 2):
         # the servers compute in float32 like the trainer, from the weights synced before

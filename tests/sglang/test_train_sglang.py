@@ -99,13 +99,14 @@ def test_sigterm_stops_the_servers_the_run_started(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_the_cpu_example_recipe_on_two_ranks_starts_a_server_of_its_own(tmp_path):
+def test_the_cpu_example_recipe_on_two_ranks_starts_a_server_of_its_own(two_rank_sglang_run):
+    """Experts split over the two ranks, weights over a process group (the run is shared with
+    tests/launch, which compares a two-node job with it)."""
     # The server is started by rank 0 under torchrun: it must not inherit torchrun's variables
     # (it would try to join the trainer's job and hang).
-    overrides = ["parallel.ep=2", "rollout.sglang.weight_sync=distributed"]
-    result = train_cli(tmp_path, overrides, nproc=2, recipe=CPU_RECIPE, timeout=600)
-    _check(result, tmp_path)
-    log = (tmp_path / "sglang" / "sglang_0.log").read_text()
+    result, run_dir = two_rank_sglang_run()
+    _check(result, run_dir)
+    log = (run_dir / "sglang" / "sglang_0.log").read_text()
     assert "--port 30100" in log and "--dtype float32" in log  # the recipe's server
     assert "--enable-return-routed-experts" not in log  # only R3 needs the routing
     assert "Uvicorn running" in log
