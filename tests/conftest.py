@@ -13,9 +13,7 @@ from subprocess import CompletedProcess
 import pytest
 import torch
 
-from tests.trainer.run_cli import REPO, train_cli
-
-SGLANG_RECIPE = REPO / "examples" / "moe" / "tiny_gspo_sglang.yaml"
+from tests.trainer.run_cli import SGLANG_RECIPE, train_cli
 
 torch.set_num_threads(1)
 

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SGLANG_RECIPE, TWO_RANK_SGLANG_OVERRIDES
+from tests.conftest import TWO_RANK_SGLANG_OVERRIDES
 from tests.launch.slurm_cluster import SlurmCluster, missing_reason
 from tests.processes import is_running
 from tests.trainer.run_cli import (
     RECIPE,
     REPO,
+    SGLANG_RECIPE,
     SHORT_RUN,
     check_repeats,
     read_metrics,
@@ -305,6 +306,34 @@ def test_rollout_nodes_sample_and_train_as_one_node_and_fail_clearly_once_their_
     assert not list(router_dir.glob("checkpoints/.*partial"))
 
 
+def _second_node_dies_until_requeued(
+    cluster: SlurmCluster,
+    job_id: str,
+    restarts: int,
+    reference_dir: Path,
+    run: list[str],
+    timeout_s: float,
+) -> tuple[float, dict]:
+    """Every process of the second node killed; the one-node run of `run` (into
+    `reference_dir`) runs while SLURM waits for the dead node (the machine's CPUs idle then);
+    once SLURM has requeued the job (restart `restarts` pending, within `timeout_s`) the node
+    comes back. Returns the seconds from the death to the requeue and that run's metrics."""
+    cluster.kill_node(1)
+    killed = time.monotonic()
+    with ThreadPoolExecutor(max_workers=1) as background:
+        reference = background.submit(_one_node_reference, reference_dir, run)
+        cluster.wait_for_job(
+            job_id,
+            lambda job: job["Restarts"] == str(restarts) and job["JobState"] == "PENDING",
+            timeout_s=timeout_s,
+            what="requeued",
+        )
+        requeued = time.monotonic() - killed
+        whole = reference.result()
+    cluster.restart_node(1)
+    return requeued, whole
+
+
 # SLURM looks at its nodes every third of SlurmdTimeout and declares a node down at the first look
 # past it: 20 to 40 s after the death, while srun still waits for the dead node's task (62 s), so
 # SLURM's own requeue ends the job (the extended test below has srun give up first)
@@ -336,20 +365,9 @@ def test_a_two_node_job_stopped_three_ways_resumes_each_time_as_one_node(tmp_pat
         _wait_for_step(cluster, job_id, run_dir, 4)
         cluster.run("scontrol", "requeue", job_id)
         _wait_for_step(cluster, job_id, run_dir, 6)  # the third start's
-        cluster.kill_node(1)
-        killed = time.monotonic()
-        # the one-node run while SLURM waits for the dead node (the machine's CPUs idle then)
-        with ThreadPoolExecutor(max_workers=1) as background:
-            reference = background.submit(_one_node_reference, tmp_path / "torchrun", run)
-            cluster.wait_for_job(
-                job_id,
-                lambda job: job["Restarts"] == "3" and job["JobState"] == "PENDING",
-                timeout_s=3 * DEAD_NODE_SLURMD_TIMEOUT_S,
-                what="requeued",
-            )
-            requeued = time.monotonic() - killed
-            whole = reference.result()
-        cluster.restart_node(1)
+        requeued, whole = _second_node_dies_until_requeued(
+            cluster, job_id, 3, tmp_path / "torchrun", run, 3 * DEAD_NODE_SLURMD_TIMEOUT_S
+        )
         fields = cluster.wait_for_job(job_id, _ended, timeout_s=300, what="finished")
         logs = _job_logs(run_dir)
         controller = (cluster.root / "log" / "slurmctld.log").read_text()
@@ -418,19 +436,9 @@ def test_a_dead_trainer_node_requeues_the_job_which_resumes_when_the_node_is_bac
         run_dir = tmp_path / "two-nodes"
         job_id = _submit_two_node_job(cluster, run_dir, run)
         _wait_for_step(cluster, job_id, run_dir, 2)
-        cluster.kill_node(1)
-        killed = time.monotonic()
-        with ThreadPoolExecutor(max_workers=1) as background:
-            reference = background.submit(_one_node_reference, tmp_path / "torchrun", run)
-            cluster.wait_for_job(
-                job_id,
-                lambda job: job["Restarts"] == "1" and job["JobState"] == "PENDING",
-                timeout_s=2 * slurmd_timeout_s,
-                what="requeued",
-            )
-            requeued = time.monotonic() - killed
-            whole = reference.result()
-        cluster.restart_node(1)
+        requeued, whole = _second_node_dies_until_requeued(
+            cluster, job_id, 1, tmp_path / "torchrun", run, 2 * slurmd_timeout_s
+        )
         fields = cluster.wait_for_job(job_id, _ended, timeout_s=400, what="finished")
         logs = _job_logs(run_dir)
     finally:

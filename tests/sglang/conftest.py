@@ -20,10 +20,10 @@ from megatron_rl.config import load_config
 from megatron_rl.files.hf_checkpoint import HFCheckpoint
 from megatron_rl.rollout.sglang import ServerGroup
 from megatron_rl.trainer.recipe import Recipe
+from tests.trainer.run_cli import SGLANG_RECIPE
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = str(REPO / "examples" / "moe" / "tiny_qwen3_moe")
-CPU_RECIPE = REPO / "examples" / "moe" / "tiny_gspo_sglang.yaml"
 SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 TEST_PORT = 30700
 ROUTING_SHAPE = (4, 2)  # the tiny model: 4 MoE layers, top-2
@@ -34,7 +34,7 @@ def cpu_servers(
 ) -> ServerGroup:
     """Servers of the example recipe's CPU settings for `model`, on `port`, with absolute paths
     (the tests may run from any directory)."""
-    config = load_config(Recipe, CPU_RECIPE).rollout.sglang
+    config = load_config(Recipe, SGLANG_RECIPE).rollout.sglang
     env = dict(config.env) | {"PYTHONPATH": str(REPO / "tests" / "sglang" / "cpu_shims")}
     config = dataclasses.replace(
         config, python=str(SGLANG_PYTHON), env=env, base_port=port, startup_timeout_s=240.0

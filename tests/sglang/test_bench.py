@@ -7,14 +7,15 @@ import pytest
 
 from megatron_rl.bench import sglang as sglang_bench
 from megatron_rl.rollout.sglang import SYNC_METHODS
-from tests.sglang.conftest import CPU_RECIPE, REPO, tiny_tensor_shapes
+from tests.sglang.conftest import REPO, tiny_tensor_shapes
+from tests.trainer.run_cli import SGLANG_RECIPE
 
 
 @pytest.mark.extended  # over a minute and a half; the full run is docs/benchmarks/sglang.md's
 def test_the_benchmark_measures_every_method_beside_its_baseline(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the recipe's interpreter and shim paths are relative to the repo
     spec = sglang_bench.SGLangBenchSpec(
-        recipe=str(CPU_RECIPE),
+        recipe=str(SGLANG_RECIPE),
         include_synthetic=False,
         repeats=1,
         rollout_prompts=4,

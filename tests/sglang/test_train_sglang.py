@@ -16,8 +16,14 @@ import time
 import pytest
 
 from tests.processes import group_gone
-from tests.sglang.conftest import CPU_RECIPE, REPO
-from tests.trainer.run_cli import finished_run_metrics, train_cli, train_command, train_environment
+from tests.sglang.conftest import REPO
+from tests.trainer.run_cli import (
+    SGLANG_RECIPE,
+    finished_run_metrics,
+    train_cli,
+    train_command,
+    train_environment,
+)
 
 
 def _check(result, run_dir) -> dict[int, dict[str, float]]:
@@ -72,7 +78,7 @@ def test_training_on_an_external_server(sglang_servers, base_weights, tmp_path, 
 # tests/trainer/test_stop.py the trainer's SIGTERM.
 @pytest.mark.extended
 def test_sigterm_stops_the_servers_the_run_started(tmp_path):
-    command = train_command(tmp_path, ["run.steps=50"], 1, False, recipe=CPU_RECIPE)
+    command = train_command(tmp_path, ["run.steps=50"], 1, False, recipe=SGLANG_RECIPE)
     run = subprocess.Popen(
         command,
         cwd=REPO,

@@ -16,6 +16,8 @@ from tests.processes import free_port, run_bounded
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "examples" / "moe" / "tiny_qwen3_moe"
 RECIPE = REPO / "examples" / "moe" / "tiny_gspo.yaml"
+# The CPU SGLang recipe: the trainer starts a real SGLang server of its own (tests/sglang).
+SGLANG_RECIPE = REPO / "examples" / "moe" / "tiny_gspo_sglang.yaml"
 
 # A few small steps of the main recipe: 8 prompts x 4 samples, 2 updates per step.
 SHORT_RUN = [
