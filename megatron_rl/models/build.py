@@ -53,8 +53,6 @@ def _moe_options(
 ) -> dict[str, Any]:
     """TransformerConfig's MoE fields: which layers have experts, the experts, the router, the
     dispatcher, replay."""
-    if dispatcher not in ("alltoall", "allgather"):
-        raise ValueError(f"dispatcher: expected 'alltoall' or 'allgather', got {dispatcher!r}")
     return {
         "num_moe_experts": model.num_experts,
         "moe_layer_freq": _moe_layer_pattern(model),
@@ -77,6 +75,19 @@ def _moe_options(
         "moe_enable_routing_replay": routing_replay,
         "moe_grouped_gemm": False,
     }
+
+
+def dispatcher_for(dims: ParallelDims, dispatcher: Dispatcher) -> Dispatcher:
+    """The token dispatcher megatron-core runs: `dispatcher`, except on a layout where no token
+    leaves its rank for an expert (etp x ep = 1: each rank runs every expert whole), where it is
+    allgather. There the two compute the same thing bit for bit (tests/models/test_build.py),
+    but alltoall still re-sorts the tokens by local expert after its exchange: an identity
+    order, run as a split into one chunk per expert and a concatenation, forward and backward
+    (`token_dispatcher.py:732, 767`); at 64 experts that was 10% of the training step on CPU
+    (docs/training.md, "Fine-grained experts")."""
+    if dispatcher not in ("alltoall", "allgather"):
+        raise ValueError(f"dispatcher: expected 'alltoall' or 'allgather', got {dispatcher!r}")
+    return dispatcher if dims.etp * dims.ep > 1 else "allgather"
 
 
 def _parallel_options(dims: ParallelDims, recompute: bool) -> dict[str, Any]:
@@ -173,7 +184,7 @@ def transformer_config(
         persist_layer_norm=False,
         attention_backend=AttnBackend.auto if use_te else AttnBackend.local,
         **_attention_options(model),
-        **_moe_options(model, dispatcher, routing_replay),
+        **_moe_options(model, dispatcher_for(dims, dispatcher), routing_replay),
         **_parallel_options(dims, recompute),
     )
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_rl.algo import PolicyLossSpec
+from megatron_rl.models import build
 from megatron_rl.models.build import build_gpt_moe
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.dims import ParallelDims
@@ -88,3 +90,42 @@ def expert_bias_counts(launch: LaunchEnv, config: MoEModelConfig) -> dict:
         "tokens": int((~padding).sum()),
         "upstream_error": upstream,
     }
+
+
+def dispatchers_compared(launch: LaunchEnv, config: MoEModelConfig) -> dict:
+    """One rank: the model as built (allgather there) and the same weights under megatron-core's
+    alltoall dispatcher, one forward and backward of the same tokens each: the dispatchers'
+    classes, and whether logits and every gradient are equal bit for bit."""
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, launch)
+    built = build_gpt_moe(config, dims)
+    real_choice = build.dispatcher_for
+    build.dispatcher_for = lambda dims, dispatcher: dispatcher  # the recipe's, as upstream
+    try:
+        alltoall = build_gpt_moe(config, dims, dispatcher="alltoall")
+    finally:
+        build.dispatcher_for = real_choice
+    alltoall.load_state_dict(built.state_dict())
+    tokens = torch.randint(0, config.vocab_size, (2, 12))
+    grads, logits = [], []
+    for model in (built, alltoall):
+        out = model(tokens, torch.arange(12).expand(2, 12), attention_mask=None)
+        out.square().mean().backward()
+        logits.append(out.detach())
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    return {
+        "dispatchers": [
+            type(module.token_dispatcher).__name__
+            for model in (built, alltoall)
+            for module in model.modules()
+            if isinstance(module, MoELayer)
+        ][:: config.num_layers],
+        "logits_equal": torch.equal(*logits),
+        "grads": len(grads[0]),
+        "grads_equal": sum(_same(g, grads[1][name]) for name, g in grads[0].items()),
+        "grads_none": sum(g is None for g in grads[0].values()),
+    }
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is None and b is None or a is not None and b is not None and torch.equal(a, b)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_rl.models.build import transformer_config
+from megatron_rl.models.build import dispatcher_for, transformer_config
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.dims import ParallelDims
 from tests.models import build_worker
@@ -128,3 +128,26 @@ def test_the_routers_leave_padding_out_of_their_expert_bias_counts():
     assert int(result["padded"].sum()) == result["tokens"] * sigmoid_with_bias.router_topk
     # megatron-core 0.16.1's own count fails on the mask's shape: the subclass is still needed
     assert "must match the size" in result["upstream_error"]
+
+
+def test_a_layout_without_expert_exchange_runs_the_allgather_dispatcher():
+    def chosen(world_size: int, **split: int) -> str:
+        config = transformer_config(QWEN3_MOE_LIKE, ParallelDims(world_size=world_size, **split))
+        return config.moe_token_dispatcher_type
+
+    assert chosen(1) == "allgather"
+    assert chosen(2) == "allgather"  # dp 2
+    assert chosen(2, tp=2, etp=1) == "allgather"  # each TP rank runs every expert whole
+    assert chosen(2, ep=2) == "alltoall"
+    assert chosen(2, tp=2) == "alltoall"  # etp = tp: the experts' weights are split
+    assert dispatcher_for(ParallelDims(world_size=2, ep=2), "allgather") == "allgather"
+
+
+@pytest.mark.timeout(120)
+def test_without_expert_exchange_allgather_equals_alltoall_bit_for_bit():
+    many_experts = replace(QWEN3_MOE_LIKE, num_experts=16, router_topk=4)
+    (report,) = run_on_ranks(build_worker.dispatchers_compared, many_experts, world_size=1)
+    assert report["dispatchers"] == ["MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher"]
+    assert report["logits_equal"]
+    assert report["grads_none"] < report["grads"] // 4
+    assert report["grads_equal"] == report["grads"]
