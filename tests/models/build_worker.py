@@ -128,4 +128,6 @@ def dispatchers_compared(launch: LaunchEnv, config: MoEModelConfig) -> dict:
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.equal(a, b)
