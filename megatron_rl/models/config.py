@@ -26,7 +26,9 @@ class ModelConfig:
     hf_path: str = "examples/moe/tiny_qwen3_moe"
     """Directory of the Hugging Face checkpoint (config.json, safetensors, tokenizer files)."""
     dispatcher: Dispatcher = "alltoall"
-    """Megatron-Core's MoE token dispatcher."""
+    """Megatron-Core's MoE token dispatcher where tokens cross ranks to their experts (ep or
+    expert tp > 1); where none does, allgather whatever this says (the same results, without
+    alltoall's identity re-sort: megatron_rl.models.build.dispatcher_for)."""
     recompute: bool = False
     """Recompute activations in the backward pass (less memory, more time)."""
     trust_remote_code: bool = False
