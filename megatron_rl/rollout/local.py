@@ -36,6 +36,7 @@ from megatron_rl.rollout.engine import (
     check_generate_request,
 )
 from megatron_rl.rollout.fp8_emulation import Fp8Emulation, quantize_weight_blocks
+from megatron_rl.rollout.kv_cache import preallocated_cache
 
 
 class WeightUpdateError(ValueError):
@@ -347,7 +348,8 @@ class LocalEngine:
         hooks = []
         if return_routed_experts:
             hooks = [r.register_forward_hook(self._record_into(routing)) for r in self._routers]
-        cache, cache_version = DynamicCache(config=self.model.config), self._version
+        capacity = tokens.shape[1] + params.max_new_tokens
+        cache, cache_version = preallocated_cache(self.model.config, capacity), self._version
         try:
             for step in range(params.max_new_tokens):
                 with self._gate.step():
@@ -360,7 +362,7 @@ class LocalEngine:
                                 "routed experts; the prefix would be routed again by the new "
                                 "weights (partial rollouts cannot record routing for R3)"
                             )
-                        cache = DynamicCache(config=self.model.config)
+                        cache = preallocated_cache(self.model.config, capacity)
                         cache_version = self._version
                         decoding.restart_from_prefix(tokens, step)
                     output = self.model(

@@ -10,8 +10,11 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from transformers import DynamicCache
 
+from megatron_rl.rollout import local
 from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.kv_cache import PreallocatedLayer
 from megatron_rl.rollout.local import LocalEngine, WeightUpdateError
 from tests.checkpoint.tiny_hf import save_tiny
 from tests.rollout.version_marks import logprobs_by_mark
@@ -254,3 +257,33 @@ def test_routing_is_not_recorded_across_a_weight_change(tmp_path):
         pytest.raises(RuntimeError, match="partial rollouts cannot record routing"),
     ):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), return_routed_experts=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+def test_the_preallocated_cache_generates_what_transformers_growing_cache_does(
+    tmp_path, monkeypatch, family
+):
+    # Rows end at different steps (they leave the batch and the buffers), and DeepSeek-V3's
+    # keys and values differ in width.
+    engine = LocalEngine.from_pretrained(save_tiny(family, tmp_path))
+    first = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8), n=3, seed=1)
+    stops = tuple({group[1].response_ids[2] for group in first})
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=stops)
+    preallocated = [s for group in engine.generate(PROMPTS, params, n=3, seed=1) for s in group]
+    assert len({len(sample.response_ids) for sample in preallocated}) > 2
+    monkeypatch.setattr(
+        local, "preallocated_cache", lambda config, capacity: DynamicCache(config=config)
+    )
+    growing = [s for group in engine.generate(PROMPTS, params, n=3, seed=1) for s in group]
+    for ours, theirs in zip(preallocated, growing, strict=True):
+        assert ours.response_ids == theirs.response_ids
+        torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-6, rtol=0)
+
+
+def test_the_preallocated_cache_refuses_more_positions_than_it_holds():
+    layer = PreallocatedLayer(capacity=4)
+    keys = torch.zeros(2, 1, 3, 8)
+    layer.update(keys, keys)
+    with pytest.raises(ValueError, match="KV cache: 6 positions exceed the 4 preallocated"):
+        layer.update(keys, keys)
