@@ -1,9 +1,10 @@
 """What bounds the in-process engine's decode step (docs/training.md, "The in-process rollout
 engine"), and what a static KV cache and a compiled step would save: the tiny recipe's model
 (`examples/moe/tiny_qwen3_moe`) decoding 32 tokens for 128 rows after 24-token prompts, greedy,
-as milliseconds per decode step, three ways: transformers' growing cache eagerly (what the engine
-runs), a static cache eagerly, and a static cache with the step under torch.compile (its compile
-time apart); then the eager step's ops by self CPU time.
+as milliseconds per decode step, four ways: the engine's preallocated cache eagerly
+(megatron_rl.rollout.kv_cache), transformers' growing cache eagerly (what the engine ran
+before), a static cache eagerly, and a static cache with the step under torch.compile (its
+compile time apart); then the engine's eager step's ops by self CPU time.
 
     python scripts/profile_decode.py
 """
@@ -16,6 +17,8 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+
+from megatron_rl.rollout.kv_cache import preallocated_cache
 
 MODEL = "examples/moe/tiny_qwen3_moe"
 ROWS, PROMPT, NEW_TOKENS = 128, 24, 32
@@ -40,9 +43,15 @@ def main() -> None:
     with torch.inference_mode():
         dynamic: list[DynamicCache] = []
 
-        def dynamic_prefill() -> torch.Tensor:
-            dynamic[:] = [DynamicCache(config=model.config)]
-            return model(input_ids=prompts, past_key_values=dynamic[0]).logits[:, -1]
+        def prefill_into(cache: DynamicCache) -> torch.Tensor:
+            dynamic[:] = [cache]
+            return model(input_ids=prompts, past_key_values=cache).logits[:, -1]
+
+        def growing_prefill() -> torch.Tensor:
+            return prefill_into(DynamicCache(config=model.config))
+
+        def preallocated_prefill() -> torch.Tensor:
+            return prefill_into(preallocated_cache(model.config, PROMPT + NEW_TOKENS + 1))
 
         def dynamic_step(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
             positions = position.expand(ROWS, 1)
@@ -69,7 +78,8 @@ def main() -> None:
         compiled = torch.compile(static_step, dynamic=False)
         results = {}
         for name, prefill, step in (
-            ("eager, growing cache (the engine)", dynamic_prefill, dynamic_step),
+            ("eager, preallocated cache (the engine)", preallocated_prefill, dynamic_step),
+            ("eager, growing cache (the engine before)", growing_prefill, dynamic_step),
             ("eager, static cache", static_prefill, static_step),
         ):
             results[name] = [decode_ms(prefill, step) for _ in range(3)]
@@ -81,7 +91,7 @@ def main() -> None:
         for name, runs in results.items():
             print(f"  {name}: {', '.join(f'{ms:.2f}' for ms in runs)}")
         print(f"  (compile and first run: {compile_s:.1f} s)")
-        dynamic_prefill()
+        preallocated_prefill()
         token = torch.zeros(ROWS, 1, dtype=torch.long)
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
             for offset in range(NEW_TOKENS):
