@@ -260,7 +260,7 @@ def test_routing_is_not_recorded_across_a_weight_change(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"])
 def test_the_preallocated_cache_generates_what_transformers_growing_cache_does(
     tmp_path, monkeypatch, family
 ):
