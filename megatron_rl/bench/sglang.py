@@ -29,6 +29,7 @@ from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.rollout.sglang import SYNC_METHODS, ServerGroup, SGLangEngine, make_weight_sync
+from megatron_rl.rollout.sglang.api_key import run_key
 from megatron_rl.trainer.recipe import Recipe
 
 
@@ -143,7 +144,9 @@ def _rollout_speed(
     result = {"prompts": len(prompts), "n": n, "max_new_tokens": params.max_new_tokens}
     result["local"] = _tokens_per_s(local, prompts, params, n, spec.rollout_rounds)
     engine = SGLangEngine(
-        servers.urls, make_weight_sync("disk", tp_sizes=[1], directory=workdir, hf_dir=hf_dir)
+        servers.urls,
+        make_weight_sync("disk", tp_sizes=[1], directory=workdir, hf_dir=hf_dir),
+        managed=servers,
     )
     result["sglang"] = _tokens_per_s(engine, prompts, params, n, spec.rollout_rounds)
     result["sglang_vs_local"] = result["sglang"]["tokens_per_s"] / result["local"]["tokens_per_s"]
@@ -166,13 +169,14 @@ def run_benchmark(spec: SGLangBenchSpec, workdir: Path) -> dict[str, object]:
         synthetic = workdir / "synthetic_hf"
         write_synthetic_checkpoint(ConvertBenchSpec(num_layers=spec.synthetic_layers), synthetic)
         models["synthetic"] = synthetic
+    api_key = run_key(workdir)
     sync, rollout = {}, {}
     for name, hf_dir in models.items():
         if name == "synthetic":
             config = dataclasses.replace(config, mem_fraction_static=spec.synthetic_mem_fraction)
         # Server logs stay in `workdir` (kept when a step fails) until the end.
         with ServerGroup(
-            config, str(hf_dir), workdir / name / "logs", seed=recipe.run.seed
+            config, str(hf_dir), workdir / name / "logs", api_key=api_key, seed=recipe.run.seed
         ) as servers:
             sync[name] = _sync_model(spec, servers, hf_dir, workdir / name)
             if name == "tiny":  # its own weights again: the recipe's model as shipped

@@ -31,6 +31,7 @@ def _job(args: argparse.Namespace, **options: object) -> SlurmJob:
         master_port=args.master_port,
         python=args.python,
         workdir=str(Path.cwd()),
+        network_interface=args.network_interface,
         **options,
     )
 
@@ -129,6 +130,12 @@ def _add_job_options(parser: argparse.ArgumentParser) -> None:
         "--device", choices=("cuda", "cpu"), default="cuda", help="GPUs (cuda) or CPU processes"
     )
     parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port (29500)")
+    parser.add_argument(
+        "--network-interface",
+        metavar="IFNAME",
+        help="the cluster fabric's interface (e.g. ib0): NCCL and gloo bootstrap there "
+        "(default: each chooses)",
+    )
     parser.add_argument(
         "--python",
         default=sys.executable,

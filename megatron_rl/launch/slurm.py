@@ -40,6 +40,9 @@ from megatron_rl.trainer.recipe import Recipe
 Device = Literal["cuda", "cpu"]
 # What SLURM itself parses (#SBATCH lines cannot be quoted).
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,+-]+$")
+_PLACEHOLDER = re.compile(r"@[A-Z_]+@")
+# A network interface's name (Linux: up to 15 characters, no slash or space).
+_INTERFACE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")
 _TIME_LIMIT = re.compile(r"^(?:(\d+)-)?(\d+):(\d{2}):(\d{2})$")
 # How long the trainer step's other nodes may take to end after one node's task ended (_NODE_STEP)
 NODE_EXIT_WAIT_S = 30
@@ -80,8 +83,16 @@ class SlurmJob:
     """Directory the job runs in (relative paths of the recipe are relative to it)."""
     resume: bool = False
     """Continue the run in run.dir from its newest checkpoint even on the job's first start."""
+    network_interface: str | None = None
+    """The cluster fabric's interface (e.g. ib0), where NCCL and gloo bootstrap
+    (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); None: each chooses by itself."""
 
     def validate(self) -> None:
+        if self.network_interface is not None and not _INTERFACE.match(self.network_interface):
+            raise ValueError(
+                f"--network-interface: {self.network_interface!r} is not an interface name "
+                "(e.g. ib0, eth0)"
+            )
         if self.nodes < 1:
             raise ValueError(f"--nodes: expected >= 1, got {self.nodes}")
         if self.gpus_per_node < 1:
@@ -127,9 +138,11 @@ class RolloutNodes:
     per_node: int
     tp_size: int
     ports: tuple[int, ...]
-    python: str
     startup_timeout_s: int
-    env: tuple[tuple[str, str], ...]  # the servers' rollout.sglang.env, for the router too
+
+    @property
+    def servers(self) -> int:
+        return self.nodes * self.per_node
 
 
 def check_layout(recipe: Recipe, job: SlurmJob, *, model_must_exist: bool) -> ParallelDims:
@@ -176,9 +189,7 @@ def plan_rollout_nodes(recipe: Recipe, job: SlurmJob) -> RolloutNodes | None:
         per_node=per_node,
         tp_size=config.tp_size,
         ports=tuple(config.base_port + index for index in range(per_node)),
-        python=config.python or job.python,
         startup_timeout_s=int(config.startup_timeout_s),
-        env=tuple(sorted(config.env.items())),
     )
 
 
@@ -204,33 +215,33 @@ def render_train_script(
     """The sbatch script that trains `recipe` (read from `recipe_path` with `overrides`) as
     `job`, logging to `log_dir` (which must exist before the job starts)."""
     job.validate()
+    check_printable("the recipe's path", str(recipe_path))
+    for override in overrides:
+        check_printable("override", override)
     dims = check_layout(recipe, job, model_must_exist=False)
     rollout = plan_rollout_nodes(recipe, job)
     stop = save_signal(recipe)
-    name = re.sub(r"[^A-Za-z0-9_.-]", "-", recipe.run.name) or "megatron-rl"
     short = stop.name.removeprefix("SIG")
-    train_args = shlex.join(["train", str(recipe_path), *overrides])
     graceful = " ".join(
         signal.Signals(number).name for number in recipe.checkpoint.save_signal_numbers()
     )
-    # The rollout block first: it holds placeholders of its own.
-    substitutions = {
-        "@ROLLOUT_BLOCK@": _rollout_block(rollout, job, recipe_path, overrides) if rollout else "",
+    rollout_header = (
+        f"{rollout.nodes} node(s) x {rollout.per_node} SGLang server(s) of TP {rollout.tp_size}"
+        if rollout
+        else f"rollout.backend={recipe.rollout.backend}, on the trainer's nodes"
+    )
+    values = _common_values(job, log_dir) | {
         "@HEADER@": "\n".join(
             [
                 f"# megatron-rl: {recipe_path} on SLURM, rendered by `megatron-rl launch slurm` "
                 "(docs/slurm.md).",
                 f"# Trainer: {dims.describe()}",
-                "# Rollout: "
-                + (
-                    f"{rollout.nodes} node(s) x {rollout.per_node} SGLang server(s) of TP "
-                    f"{rollout.tp_size}"
-                    if rollout
-                    else f"rollout.backend={recipe.rollout.backend}, on the trainer's nodes"
-                ),
+                f"# Rollout: {rollout_header}",
             ]
         ),
-        "@SBATCH@": "\n".join(_sbatch_lines(job, name, log_dir, requeue_on=short)),
+        "@SBATCH@": "\n".join(
+            _sbatch_lines(job, job_name(recipe.run.name), log_dir, requeue_on=short)
+        ),
         "@SIGNAL@": short,
         "@SIGNAL_BEFORE@": str(job.signal_before_s),
         "@STOP_CODE@": str(128 + stop.value),
@@ -239,11 +250,17 @@ def render_train_script(
         # the probe of the trainer nodes after a failed step
         "@STEPS_PER_START@": str(2 + (rollout is not None)),
         "@NODE_PROBE_S@": str(NODE_PROBE_S),
-    } | _common_substitutions(job, log_dir)
-    step = _node_step(
-        "train", f'{train_args} "${{rollout[@]}}" "${{resume[@]}}"', graceful=graceful
-    )
-    return _fill(_PREAMBLE + _TRAIN_BODY.replace("@NODE_STEP@", step), substitutions)
+        "@STEP_NAME@": "train",
+        "@GRACEFUL@": f" --graceful {graceful}" if graceful else "",
+        "@COMMAND@": shlex.join(["train", str(recipe_path), *overrides])
+        + ' "${rollout[@]}" "${resume[@]}"',
+    }
+    rollout_block = ""
+    if rollout:
+        values |= _rollout_values(rollout, job, recipe_path, overrides)
+        rollout_block = _ROLLOUT_BLOCK + (_ROUTER_BLOCK if rollout.servers > 1 else "")
+    template = _PREAMBLE + _TRAIN_BODY.replace("@ROLLOUT_BLOCK@", rollout_block)
+    return _fill(template.replace("@NODE_STEP@", _NODE_STEP), values)
 
 
 def render_command_script(
@@ -252,6 +269,8 @@ def render_command_script(
     """The sbatch script that runs the megatron-rl `command` (e.g. `convert hf-to-mcore ...`)
     on `job`'s nodes under torchrun, its ranks laid out as `dims`; not requeued."""
     job.validate()
+    for word in command:
+        check_printable("the command's arguments", word)
     if job.rollout_nodes:
         raise ValueError("--rollout-nodes: only a training job has rollout nodes")
     if dims.world_size != job.nodes * job.gpus_per_node:
@@ -260,45 +279,77 @@ def render_command_script(
             f"{job.nodes * job.gpus_per_node} ranks, but the layout ({dims.describe()}) is for "
             f"{dims.world_size}"
         )
-    substitutions = _common_substitutions(job, log_dir) | {
+    values = _common_values(job, log_dir) | {
         "@HEADER@": f"# megatron-rl {command[0]} on SLURM, rendered by `megatron-rl launch "
         f"slurm-{command[0]}` (docs/slurm.md).\n# Ranks: {dims.describe()}",
-        "@SBATCH@": "\n".join(_sbatch_lines(job, name, log_dir, requeue_on=None)),
+        "@SBATCH@": "\n".join(_sbatch_lines(job, job_name(name), log_dir, requeue_on=None)),
+        "@STEP_NAME@": command[0],
+        "@GRACEFUL@": "",
+        "@COMMAND@": shlex.join(command),
     }
-    step = _node_step(command[0], shlex.join(command), graceful="")
-    return _fill(_PREAMBLE + _COMMAND_BODY.replace("@NODE_STEP@", step), substitutions)
+    return _fill(_PREAMBLE + _COMMAND_BODY.replace("@NODE_STEP@", _NODE_STEP), values)
 
 
-def _node_step(name: str, command: str, *, graceful: str) -> str:
-    """The trainer nodes' job step running `command` (shell words), logging to
-    NAME-JOBID-STEP-NODE.out; `graceful`: the signal names its ranks keep for themselves."""
-    return (
-        _NODE_STEP.replace("@STEP_NAME@", name)
-        .replace("@NODE_EXIT_WAIT_S@", str(NODE_EXIT_WAIT_S))
-        .replace("@GRACEFUL@", f" --graceful {graceful}" if graceful else "")
-        .replace("@COMMAND@", command)
-    )
+def check_printable(what: str, text: str) -> None:
+    """Refuse `text` (`what`, e.g. an override) holding a control character (a newline, a tab,
+    an escape): in a batch script it would start a line of its own, a command."""
+    for character in text:
+        if ord(character) < 32 or ord(character) == 127:
+            raise ValueError(
+                f"{what}: {text!r} holds the control character {character!r}; a batch script "
+                "cannot carry it"
+            )
 
 
-def _common_substitutions(job: SlurmJob, log_dir: Path) -> dict[str, str]:
+def job_name(text: str) -> str:
+    """`text` as a SLURM job name: every character but letters, digits and `_.-` becomes `-`."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", text) or "megatron-rl"
+
+
+def _common_values(job: SlurmJob, log_dir: Path) -> dict[str, str]:
     if not _SLURM_WORD.match(str(log_dir).replace("/", "")):
         raise ValueError(f"{log_dir}: has characters an #SBATCH line cannot carry")
+    for flag, value in (("--python", job.python), ("the working directory", job.workdir)):
+        check_printable(flag, value)
     return {
         "@THREADS_PER_RANK@": str(job.gpus_per_node),
         "@WORKDIR@": shlex.quote(job.workdir),
         "@PYTHON@": shlex.quote(job.python),
         "@LOG_DIR@": shlex.quote(str(log_dir)),
+        "@NETWORK@": _network_lines(job.network_interface),
         "@TOTAL_NODES@": str(job.nodes + job.rollout_nodes),
         "@TRAINER_NODES@": str(job.nodes),
         "@MASTER_PORT@": str(job.master_port),
         "@GPUS@": str(job.gpus_per_node),
+        "@NODE_EXIT_WAIT_S@": str(NODE_EXIT_WAIT_S),
     }
 
 
-def _fill(template: str, substitutions: dict[str, str]) -> str:
-    for placeholder, value in substitutions.items():
-        template = template.replace(placeholder, value)
-    return template
+def _network_lines(interface: str | None) -> str:
+    if interface is None:
+        return (
+            "# The interface NCCL and gloo bootstrap on (--network-interface); unset, each\n"
+            "# chooses by itself.\n"
+            "# export NCCL_SOCKET_IFNAME=ib0\n"
+            "# export GLOO_SOCKET_IFNAME=ib0"
+        )
+    return (
+        "# The interface NCCL and gloo bootstrap on (--network-interface).\n"
+        f"export NCCL_SOCKET_IFNAME={interface}\n"
+        f"export GLOO_SOCKET_IFNAME={interface}"
+    )
+
+
+def _fill(template: str, values: dict[str, str]) -> str:
+    """Every `@NAME@` of `template` replaced by its value, in one pass over the template only: a
+    value is never read for placeholders itself."""
+
+    def value(match: re.Match[str]) -> str:
+        if match[0] not in values:
+            raise KeyError(f"batch script template: no value for {match[0]}")
+        return values[match[0]]
+
+    return _PLACEHOLDER.sub(value, template)
 
 
 def _sbatch_lines(job: SlurmJob, name: str, log_dir: Path, *, requeue_on: str | None) -> list[str]:
@@ -321,28 +372,19 @@ def _sbatch_lines(job: SlurmJob, name: str, log_dir: Path, *, requeue_on: str | 
     return [f"#SBATCH {option}" for option in options]
 
 
-def _rollout_block(
+def _rollout_values(
     rollout: RolloutNodes, job: SlurmJob, recipe_path: Path, overrides: list[str]
-) -> str:
-    gpus = f" --gpus-per-task={rollout.tp_size}" if job.device == "cuda" else ""
-    block = (
-        _ROLLOUT_BLOCK.replace("@ROLLOUT_NODES@", str(rollout.nodes))
-        .replace("@PER_NODE@", str(rollout.per_node))
-        .replace("@SERVERS@", str(rollout.nodes * rollout.per_node))
-        .replace("@GPUS_PER_TASK@", gpus)
-        .replace("@SERVE_ARGS@", shlex.join([str(recipe_path), *overrides]))
-        .replace("@PORTS@", " ".join(map(str, rollout.ports)))
-        .replace("@STARTUP_S@", str(rollout.startup_timeout_s))
-    )
-    if rollout.nodes * rollout.per_node > 1:
-        # the router imports SGLang: it runs in the servers' environment (rollout.sglang.env)
-        python = shlex.join(
-            ["env", *(f"{key}={value}" for key, value in rollout.env), rollout.python]
-        )
-        block += _ROUTER_BLOCK.replace("@ROUTER_PORT@", str(job.router_port)).replace(
-            "@SGLANG_PYTHON@", python
-        )
-    return block
+) -> dict[str, str]:
+    return {
+        "@ROLLOUT_NODES@": str(rollout.nodes),
+        "@PER_NODE@": str(rollout.per_node),
+        "@SERVERS@": str(rollout.servers),
+        "@GPUS_PER_TASK@": f" --gpus-per-task={rollout.tp_size}" if job.device == "cuda" else "",
+        "@SERVE_ARGS@": shlex.join([str(recipe_path), *overrides]),
+        "@PORTS@": " ".join(map(str, rollout.ports)),
+        "@STARTUP_S@": str(rollout.startup_timeout_s),
+        "@ROUTER_PORT@": str(job.router_port),
+    }
 
 
 _PREAMBLE = """\
@@ -358,10 +400,8 @@ workdir=${MEGATRON_RL_DIR:-@WORKDIR@}
 python=${MEGATRON_RL_PYTHON:-@PYTHON@}
 
 # ---- Network and NCCL: edit for your cluster ----------------------------------------------------
-# The interface NCCL and gloo bootstrap on and the InfiniBand adapters NCCL uses (`ibv_devinfo`
-# lists them); unset, NCCL chooses by itself.
-# export NCCL_SOCKET_IFNAME=ib0
-# export GLOO_SOCKET_IFNAME=ib0
+@NETWORK@
+# The InfiniBand adapters NCCL uses (`ibv_devinfo` lists them); unset, NCCL chooses by itself.
 # export NCCL_IB_HCA=mlx5
 # NCCL's messages (INFO shows the rings and transports when a start-up hangs).
 export NCCL_DEBUG=WARN
@@ -502,51 +542,43 @@ srun --nodes=@TRAINER_NODES@ --ntasks=@TRAINER_NODES@ --ntasks-per-node=1 \\
 
 _ROLLOUT_BLOCK = """\
 # ---- Rollout: @PER_NODE@ SGLang server(s) on each of the @ROLLOUT_NODES@ rollout node(s) ----
+# Each listens on its node's cluster address and takes the run's API key (RUN_DIR/sglang_api_key,
+# never on a command line); the trainer's requests carry it (docs/sglang.md).
 rollout_nodes=("${nodes[@]:@TRAINER_NODES@:@ROLLOUT_NODES@}")
-if ! command -v curl >/dev/null; then
-  echo "megatron-rl: curl is needed to wait for the rollout servers" >&2
-  exit 1
-fi
 # --ntasks: the job's own count (every node's task) would reach this step from its environment
 srun --nodes=@ROLLOUT_NODES@ --ntasks=@SERVERS@ --ntasks-per-node=@PER_NODE@@GPUS_PER_TASK@ \\
   --nodelist="$(IFS=,; echo "${rollout_nodes[*]}")" \\
   --output="$log_dir/%x-%j-rollout-%N-%t.out" --open-mode=append \\
-  "$python" -m megatron_rl.launch.rollout_server @SERVE_ARGS@ &
+  "$python" -m megatron_rl.launch.rollout_server serve @SERVE_ARGS@ &
 servers=$!
 started+=("$servers")
 urls=()
 for node in "${rollout_nodes[@]}"; do
   for port in @PORTS@; do urls+=("http://$node:$port"); done
 done
-# URL PID: until URL answers /health, while PID runs, for at most @STARTUP_S@ s.
-wait_healthy() {
-  local deadline=$((SECONDS + @STARTUP_S@))
-  until curl --silent --fail --max-time 5 "$1/health" >/dev/null; do
-    if ! kill -0 "$2" 2>/dev/null; then
-      echo "megatron-rl: $1 exited before answering; logs in $log_dir" >&2
-      exit 1
-    fi
-    if [ "$SECONDS" -ge "$deadline" ]; then
-      echo "megatron-rl: $1 did not answer /health in @STARTUP_S@ s; logs in $log_dir" >&2
-      exit 1
-    fi
-    sleep 1
-  done
-}
-for url in "${urls[@]}"; do wait_healthy "$url" "$servers"; done
+url_list=$(IFS=,; echo "${urls[*]}")
+# Until every server answers as this run's (its API key), while their step runs.
+if ! "$python" -m megatron_rl.launch.rollout_server await --within @STARTUP_S@ \\
+  --while-running "$servers" --urls "$url_list" @SERVE_ARGS@; then
+  echo "megatron-rl: the rollout servers did not start; logs in $log_dir" >&2
+  exit 1
+fi
 rollout=(
-  "rollout.sglang.urls=[$(IFS=,; echo "${urls[*]}")]"
+  "rollout.sglang.urls=[$url_list]"
   "rollout.sglang.master_address=$master_addr"
 )
 """
 
 _ROUTER_BLOCK = """\
 # One sglang-router in front of the servers, on this (the batch) node; generation goes through it.
-# The trainer sends it a request per sample, all at once; round-robin spreads them evenly.
 router_url="http://$SLURMD_NODENAME:@ROUTER_PORT@"
-@SGLANG_PYTHON@ -m sglang_router.launch_router --host 0.0.0.0 --port @ROUTER_PORT@ \\
-  --policy round_robin --worker-urls "${urls[@]}" >>"$log_dir/router-$SLURM_JOB_ID.out" 2>&1 &
+"$python" -m megatron_rl.launch.rollout_server route --port @ROUTER_PORT@ --urls "$url_list" \\
+  @SERVE_ARGS@ >>"$log_dir/router-$SLURM_JOB_ID.out" 2>&1 &
 started+=("$!")
-wait_healthy "$router_url" "$!"
+if ! "$python" -m megatron_rl.launch.rollout_server await --router --within @STARTUP_S@ \\
+  --while-running "$!" --urls "$router_url" @SERVE_ARGS@; then
+  echo "megatron-rl: the sglang-router did not start; see $log_dir/router-$SLURM_JOB_ID.out" >&2
+  exit 1
+fi
 rollout+=("rollout.sglang.router_url=$router_url")
 """

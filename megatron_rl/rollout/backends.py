@@ -13,10 +13,17 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.rollout.local_process import LocalEngineProcess
-from megatron_rl.rollout.sglang import RetryPolicy, ServerGroup, SGLangEngine, make_weight_sync
-from megatron_rl.rollout.sglang.http import ServerConnection
+from megatron_rl.rollout.sglang import (
+    RetryPolicy,
+    ServerGroup,
+    SGLangConfig,
+    SGLangEngine,
+    make_weight_sync,
+)
+from megatron_rl.rollout.sglang.api_key import ApiKey, read_key, run_key
+from megatron_rl.rollout.sglang.http import IDENTITY_PATH, ROUTER_IDENTITY_PATH, ServerConnection
 
-# How long a server the user started gets to answer its first /health.
+# How long a server the recipe names gets to answer as the run's.
 REACHABLE_WITHIN_S = 10.0
 
 
@@ -52,14 +59,22 @@ def open_engine(
         stack.callback(engine.close)
         return engine
     config = rollout.sglang
+    api_key = run_api_key(config, run_dir)
     urls, managed = list(config.urls), None
     for url in urls:
-        check_answers(url, "rollout.sglang.urls")
+        check_answers(url, "rollout.sglang.urls", api_key)
     if config.router_url:
-        check_answers(config.router_url, "rollout.sglang.router_url")
+        check_answers(
+            config.router_url, "rollout.sglang.router_url", api_key, path=ROUTER_IDENTITY_PATH
+        )
     if not urls:
         servers = ServerGroup(
-            config, hf_path, run_dir / "sglang", seed=seed, routed_experts=routed_experts
+            config,
+            hf_path,
+            run_dir / "sglang",
+            api_key=api_key,
+            seed=seed,
+            routed_experts=routed_experts,
         )
         managed = stack.enter_context(servers)
         urls = managed.urls
@@ -78,6 +93,7 @@ def open_engine(
         routed_experts=routing_shape,
         router_url=config.router_url,
         managed=managed,
+        api_key=api_key,
         architecture=architectures[0],
         retry=RetryPolicy(deadline_s=config.request_deadline_s),
         tensor_shapes={name: checkpoint.shape(name) for name in checkpoint.names()},
@@ -87,20 +103,38 @@ def open_engine(
     return engine
 
 
-def check_answers(url: str, key: str, *, within_s: float = REACHABLE_WITHIN_S) -> None:
-    """Refuse a server the user named (`key`) that does not answer /health within `within_s`,
-    before the run waits on it request by request."""
-    connection = ServerConnection(url)
+def run_api_key(config: SGLangConfig, run_dir: Path) -> ApiKey:
+    """The key of the run's servers: rollout.sglang.api_key_file's, or the run's own (made on
+    first use)."""
+    if config.api_key_file:
+        return read_key(config.api_key_file, given_as="rollout.sglang.api_key_file")
+    return run_key(run_dir)
+
+
+def check_answers(
+    url: str,
+    name: str,
+    api_key: ApiKey,
+    *,
+    path: str = IDENTITY_PATH,
+    within_s: float = REACHABLE_WITHIN_S,
+) -> None:
+    """Refuse a server the recipe names (`name`) that does not answer as one started with
+    `api_key` (GET `path` refused without it, answered with it) within `within_s`, before the
+    run sends it anything else."""
+    connection = ServerConnection(url, api_key=api_key)
     deadline = time.monotonic() + within_s
     attempts = 0
     while True:
         attempts += 1
-        if connection.ping(timeout_s=min(5.0, within_s)):
+        if connection.is_ours(path, timeout_s=min(5.0, within_s)):
             return
         if time.monotonic() + 1.0 > deadline:
             raise ValueError(
-                f"{key}: {url} does not answer GET /health ({attempts} attempts in "
-                f"{within_s:g} s); start that server, or leave rollout.sglang.urls empty to "
-                "have the trainer start its own"
+                f"{name}: {url} does not answer as a server started with the key of "
+                f"{api_key.path} (GET {path}: 401 without the key, 200 with it; "
+                f"{attempts} attempts in {within_s:g} s): start that server with that key "
+                "(docs/sglang.md), or leave rollout.sglang.urls empty to have the trainer "
+                "start its own"
             )
         time.sleep(1.0)

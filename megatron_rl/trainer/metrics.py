@@ -26,6 +26,7 @@ from typing import IO, Any, Literal, Protocol
 from tqdm import tqdm
 
 from megatron_rl.files.atomic import write_bytes_atomic
+from megatron_rl.redaction import redacted_config
 
 WandbMode = Literal["auto", "online", "offline", "disabled"]
 
@@ -205,7 +206,8 @@ class WandbSink:
             dir=directory,
             project=project,
             name=run_name,
-            config=dict(config),
+            # The recipe as wandb keeps it, secrets hidden (rollout.sglang.env's tokens, ...).
+            config=redacted_config(config),
             id=resume_id,
             resume="allow" if resume_id is not None else None,
         )

@@ -21,7 +21,9 @@ import pytest
 
 from megatron_rl.config import load_config
 from megatron_rl.launch.node import node_rank, stop_status, torchrun_argv
-from megatron_rl.launch.rollout_server import serve_argv
+from megatron_rl.launch.rollout_server import route_argv, serve_argv
+from megatron_rl.rollout.sglang.network import listen_address
+from megatron_rl.rollout.sglang.servers import KEYED_LAUNCHER
 from megatron_rl.trainer.recipe import Recipe
 from tests.processes import caught_signals, descendants, free_port
 from tests.trainer.run_cli import (
@@ -84,20 +86,63 @@ def test_which_rank_exits_are_a_graceful_stop(codes, status):
     assert stop_status(codes, USR1) == status
 
 
-def test_a_rollout_node_server_listens_everywhere_on_its_own_port():
+def test_a_rollout_node_server_listens_on_its_nodes_address_with_the_runs_key(tmp_path):
     recipe = load_config(
         Recipe,
         RECIPE,
-        ["rollout.backend=sglang", "rollout.sglang.base_port=31000", "algo.routing_replay=r3"],
+        [
+            "rollout.backend=sglang",
+            "rollout.sglang.base_port=31000",
+            "algo.routing_replay=r3",
+            f"run.dir={tmp_path}",
+        ],
     )
-    argv, env = serve_argv(recipe, 1, 3)
-    assert argv[argv.index("--host") + 1] == "0.0.0.0"
+    argv, env = serve_argv(recipe, 1, 3, "10.1.2.3")
+    assert argv[argv.index("--host") + 1] == "10.1.2.3"
     assert argv[argv.index("--port") + 1] == "31001"
+    # the run's key, made on first use, passed by its file (the server reads it)
+    key = tmp_path / "sglang_api_key"
+    assert argv[1:4] == [str(KEYED_LAUNCHER), str(key), "sglang.launch_server"]
+    assert key.read_text().strip() not in " ".join(argv)
     # the job's fourth server samples as the trainer's own fourth server would
     assert argv[argv.index("--random-seed") + 1] == str(recipe.run.seed + 3)
     assert argv[argv.index("--model-path") + 1] == recipe.model.hf_path
     assert "--enable-return-routed-experts" in argv
     assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+
+
+def test_the_router_listens_on_its_nodes_address_with_the_runs_key(tmp_path):
+    recipe = load_config(
+        Recipe,
+        RECIPE,
+        [
+            "rollout.backend=sglang",
+            "rollout.sglang.env={HF_TOKEN: hf_x}",
+            f"run.dir={tmp_path}",
+        ],
+    )
+    argv, env = route_argv(recipe, "10.1.2.4", 29900, ["http://a:1", "http://b:2"])
+    key = str(tmp_path / "sglang_api_key")
+    assert argv[1:4] == [str(KEYED_LAUNCHER), key, "sglang_router.launch_router"]
+    assert argv[argv.index("--host") + 1] == "10.1.2.4"
+    assert argv[argv.index("--worker-urls") + 1 :] == ["http://a:1", "http://b:2"]
+    # the recipe's environment reaches the router as its environment, not on its command line
+    assert env["HF_TOKEN"] == "hf_x" and "hf_x" not in " ".join(argv)
+
+
+def test_sockets_listen_where_peers_reach_this_machine(monkeypatch):
+    assert listen_address("10.1.2.3", given_as="x") == "10.1.2.3"
+    assert listen_address("127.0.0.1", given_as="x") == "127.0.0.1"
+    assert listen_address("localhost", given_as="x") == "127.0.0.1"
+
+    def resolve(name, *args, **kwargs):  # a stand-in for this machine's resolver
+        answers = {"node1": ["127.0.1.1", "10.0.0.7"], "loopy": ["127.0.1.1", "::1"]}
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in answers[name]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert listen_address("node1", given_as="SLURMD_NODENAME") == "10.0.0.7"
+    with pytest.raises(ValueError, match=r"SLURMD_NODENAME: 'loopy' resolves to 127\.0\.1\.1"):
+        listen_address("loopy", given_as="SLURMD_NODENAME")
 
 
 def _node_task(run_dir: Path, stderr: IO[str]) -> subprocess.Popen:

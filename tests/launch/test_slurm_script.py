@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import load_config
-from megatron_rl.launch.slurm import SlurmJob, render_train_script, time_limit_seconds
+from megatron_rl.launch.slurm import (
+    SlurmJob,
+    job_name,
+    render_command_script,
+    render_train_script,
+    time_limit_seconds,
+)
+from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.trainer.recipe import Recipe
 from tests.trainer.run_cli import REPO, TINY_MODEL
 
@@ -59,8 +66,11 @@ def test_rendered_scripts_pass_shellcheck(tmp_path, nodes, rollout_nodes):
     )
     assert "#SBATCH --time=04:00:00\n#SBATCH --signal=B:USR1@900\n#SBATCH --requeue\n" in script
     assert f"# Trainer: world {nodes * 8} = tp1 * cp1 * pp2 * dp{nodes * 4}" in script
-    assert ("sglang_router.launch_router" in script) == (rollout_nodes * 2 > 1)
-    assert ("megatron_rl.launch.rollout_server" in script) == (rollout_nodes > 0)
+    assert ("rollout_server route" in script) == (rollout_nodes * 2 > 1)
+    assert ("megatron_rl.launch.rollout_server serve" in script) == (rollout_nodes > 0)
+    # the servers are trusted once they answer as the run's (its key), not on any /health
+    assert ("rollout_server await" in script) == (rollout_nodes > 0)
+    assert "curl" not in script and "0.0.0.0" not in script
     # a restart spends the step numbers of every earlier start: the servers', the trainer's and
     # the probe of the trainer nodes after a failed step
     steps_per_start = 3 if rollout_nodes else 2
@@ -75,6 +85,64 @@ def test_the_cpu_script_asks_for_no_gpus_and_passes_the_recipe_as_given():
     assert "--gpus-per-node" not in script and "#SBATCH --time" not in script
     assert f"train {TINY} model.hf_path={TINY_MODEL} run.steps=3 " in script
     assert "--nproc-per-node 2" in script and "--graceful SIGUSR1 --" in script
+
+
+def test_values_are_filled_in_once_and_never_read_for_placeholders():
+    """An override holding a placeholder stays as written: the workdir (which may hold `$(...)`)
+    is written once, quoted, and not again where the override is."""
+    override = "run.name=a b@WORKDIR@ @PYTHON@"
+    recipe = load_config(Recipe, TINY, [override])
+    job = SlurmJob(python="/shared/venv/bin/python", workdir="/w/$(touch /tmp/owned)", nodes=1)
+    script = render_train_script(TINY, [override], recipe, job, log_dir=LOGS)
+    assert script.count("$(touch /tmp/owned)") == 1
+    assert "workdir=${MEGATRON_RL_DIR:-'/w/$(touch /tmp/owned)'}" in script
+    assert "'run.name=a b@WORKDIR@ @PYTHON@'" in script
+    assert "#SBATCH --job-name=a-b-WORKDIR---PYTHON-\n" in script
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("recipe", "the recipe's path: .* holds the control character '\\\\n'"),
+        ("override", "override: .* holds the control character '\\\\n'"),
+        ("workdir", "the working directory: .* holds the control character '\\\\r'"),
+    ],
+)
+def test_control_characters_cannot_reach_a_batch_script(tmp_path, where, message):
+    recipe_path, overrides, workdir = TINY, ["run.steps=3"], "/shared/work"
+    if where == "recipe":
+        recipe_path = tmp_path / "a\ntouch owned\n.yaml"
+        recipe_path.write_text(TINY.read_text())
+    elif where == "override":
+        overrides = ["run.name=x\ntouch owned"]
+    else:
+        workdir = "/w\r"
+    recipe = load_config(Recipe, recipe_path, overrides)
+    job = SlurmJob(python="/shared/venv/bin/python", workdir=workdir, nodes=1)
+    with pytest.raises(ValueError, match=message):
+        render_train_script(recipe_path, overrides, recipe, job, log_dir=LOGS)
+
+
+def test_a_conversion_jobs_name_and_arguments_are_checked():
+    job = _job(nodes=1, device="cpu")
+    dims = ParallelDims(world_size=8)
+    with pytest.raises(ValueError, match=r"the command's arguments: .* control character"):
+        render_command_script(
+            ["convert", "hf-to-mcore", "--out", "a\nb"], job, dims=dims, name="x", log_dir=LOGS
+        )
+    script = render_command_script(
+        ["convert", "hf-to-mcore", "--out", "o"], job, dims=dims, name="convert-a b;c", log_dir=LOGS
+    )
+    assert "#SBATCH --job-name=convert-a-b-c\n" in script
+    assert job_name("x\ny") == "x-y"
+
+
+def test_the_network_interface_is_exported_for_nccl_and_gloo():
+    script = _render(TINY, [], nodes=1, device="cpu", network_interface="ib0")
+    assert "export NCCL_SOCKET_IFNAME=ib0\nexport GLOO_SOCKET_IFNAME=ib0\n" in script
+    assert "\nexport GLOO_SOCKET_IFNAME" not in _render(TINY, [], nodes=1, device="cpu")
+    with pytest.raises(ValueError, match="--network-interface: 'ib0; rm' is not an interface"):
+        _render(TINY, [], nodes=1, device="cpu", network_interface="ib0; rm")
 
 
 def test_time_limits():

@@ -19,6 +19,7 @@ import pytest
 from megatron_rl.config import load_config
 from megatron_rl.files.hf_checkpoint import HFCheckpoint
 from megatron_rl.rollout.sglang import ServerGroup
+from megatron_rl.rollout.sglang.api_key import run_key
 from megatron_rl.trainer.recipe import Recipe
 from tests.trainer.run_cli import SGLANG_RECIPE
 
@@ -33,13 +34,15 @@ def cpu_servers(
     port: int, log_dir: Path, *, routed_experts: bool = True, model: str = TINY_MODEL
 ) -> ServerGroup:
     """Servers of the example recipe's CPU settings for `model`, on `port`, with absolute paths
-    (the tests may run from any directory)."""
+    (the tests may run from any directory), taking a key made in `log_dir`."""
     config = load_config(Recipe, SGLANG_RECIPE).rollout.sglang
     env = dict(config.env) | {"PYTHONPATH": str(REPO / "tests" / "sglang" / "cpu_shims")}
     config = dataclasses.replace(
         config, python=str(SGLANG_PYTHON), env=env, base_port=port, startup_timeout_s=240.0
     )
-    return ServerGroup(config, model, log_dir, seed=0, routed_experts=routed_experts)
+    return ServerGroup(
+        config, model, log_dir, api_key=run_key(log_dir), seed=0, routed_experts=routed_experts
+    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -94,10 +94,15 @@ def test_routed_experts_are_the_models_routing_of_each_token(engine, reference):
 
 def test_a_server_with_another_architecture_is_refused(sglang_servers):
     with pytest.raises(SGLangError, match=r"serves \['Qwen3MoeForCausalLM'\].*MixtralForCausalLM"):
-        SGLangEngine(sglang_servers.urls, TensorSync([1]), architecture="MixtralForCausalLM")
+        SGLangEngine(
+            sglang_servers.urls,
+            TensorSync([1]),
+            api_key=sglang_servers.servers[0].api_key,
+            architecture="MixtralForCausalLM",
+        )
 
 
 def test_routed_experts_need_the_models_shape(sglang_servers):
-    engine = SGLangEngine(sglang_servers.urls, TensorSync([1]))
+    engine = SGLangEngine(sglang_servers.urls, TensorSync([1]), managed=sglang_servers)
     with pytest.raises(ValueError, match="return_routed_experts"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=2), return_routed_experts=True)

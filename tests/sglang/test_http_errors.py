@@ -21,6 +21,7 @@ import torch
 from megatron_rl.rollout.backends import check_answers
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang import RetryPolicy, ServerConnection, SGLangEngine, SGLangError
+from megatron_rl.rollout.sglang.api_key import run_key
 from megatron_rl.rollout.sglang.weight_sync import TensorSync
 
 QUICK = RetryPolicy(deadline_s=1.5, timeout_s=0.5, first_backoff_s=0.05, max_backoff_s=0.2)
@@ -31,7 +32,7 @@ class ScriptedServer:
     every GET with 200 and an empty JSON object (healthy, nothing to report)."""
 
     def __init__(self, script: list[tuple[int, str]], port: int = 0) -> None:
-        self.script, self.requests = list(script), []
+        self.script, self.requests, self.headers = list(script), [], []
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,6 +46,7 @@ class ScriptedServer:
                 self.wfile.write(body.encode())
 
             def do_GET(self) -> None:
+                owner.headers.append(dict(self.headers))
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
@@ -102,12 +104,24 @@ def test_a_url_that_never_answers_fails_after_the_deadline_naming_it():
         ServerConnection(url, QUICK).post("/generate", {})
 
 
-def test_a_server_the_recipe_names_that_does_not_answer_is_refused_at_once():
-    url = f"http://127.0.0.1:{_closed_port()}"
+@pytest.mark.parametrize("listening", ["nothing", "a server that takes no key"])
+def test_a_server_the_recipe_names_that_does_not_answer_as_the_runs_is_refused_at_once(
+    scripted, tmp_path, listening
+):
+    """Nothing on the port, or a server that answers requests without the run's key (another
+    run's, or one anyone may drive): refused before the run sends it anything, its key
+    included."""
+    if listening == "nothing":
+        url = f"http://127.0.0.1:{_closed_port()}"
+    else:
+        server = scripted([(200, "{}")])
+        url = server.url
     started = time.monotonic()
-    with pytest.raises(ValueError, match=r"rollout\.sglang\.urls: .* does not answer GET /health"):
-        check_answers(url, "rollout.sglang.urls", within_s=2.0)
+    with pytest.raises(ValueError, match=r"rollout\.sglang\.urls: .* does not answer as a server"):
+        check_answers(url, "rollout.sglang.urls", run_key(tmp_path), within_s=2.0)
     assert time.monotonic() - started < 10
+    if listening != "nothing":
+        assert all("Authorization" not in headers for headers in server.headers)
 
 
 def test_a_server_that_accepts_but_never_replies_times_out():

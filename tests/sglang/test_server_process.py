@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.rollout.sglang import ServerGroup, SGLangConfig, SGLangError
+from megatron_rl.rollout.sglang.api_key import run_key
 from tests.processes import group_gone, live_group_members
 from tests.sglang.test_http_errors import ScriptedServer, _closed_port
 
@@ -32,7 +33,10 @@ def _servers(
         "startup_timeout_s": 20.0,
     }
     config = SGLangConfig(**(defaults | changes))
-    return ServerGroup(config, "unused", log_dir, seed=seed, routed_experts=routed_experts)
+    key = run_key(log_dir)
+    return ServerGroup(
+        config, "unused", log_dir, api_key=key, seed=seed, routed_experts=routed_experts
+    )
 
 
 def test_servers_start_log_and_stop_with_their_children(tmp_path, monkeypatch):
@@ -50,6 +54,15 @@ def test_servers_start_log_and_stop_with_their_children(tmp_path, monkeypatch):
         assert all(live_group_members(pid) for pid in launchers)
         assert all(os.getpgid(child) == pid for child, pid in zip(children, launchers, strict=True))
         assert "--enable-return-routed-experts" in logs[0] and "--skip-tokenizer-init" in logs[0]
+        # the key reached the server (it answers the trainer), but no log and no command line
+        key = group.servers[0].api_key.value
+        assert "'--api-key', '[redacted]', '--admin-api-key', '[redacted]'" in logs[0]
+        assert not any(key in log for log in logs)
+        assert all(server.connection.is_ours() for server in group.servers)
+        members = [pid for launcher in launchers for pid in live_group_members(launcher)]
+        assert len(members) >= 4 * len(launchers)  # supervisor, server, its log's copier, child
+        for pid in members:
+            assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
         assert f"'--port', '{port + 1}'" in logs[1]
         # each server samples from a seed of its own, the run's seed + its index
         assert "'--random-seed', '7'" in logs[0] and "'--random-seed', '8'" in logs[1]
@@ -66,7 +79,7 @@ def test_a_server_that_exits_during_start_up_is_reported_with_its_log(tmp_path):
 
 def test_a_server_that_never_gets_ready_is_stopped_after_the_deadline(tmp_path):
     group = _servers("hang", _closed_port(), tmp_path, startup_timeout_s=3.0)
-    with pytest.raises(SGLangError, match=r"did not answer /health within 3 s"):
+    with pytest.raises(SGLangError, match=r"did not answer as this run's server .* within 3 s"):
         group.start()
     launcher = int(re.search(r"=== pid (\d+)", group.servers[0].log_tail()).group(1))
     assert group_gone(launcher)  # the launcher and its child

@@ -26,6 +26,15 @@ from tests.trainer.run_cli import (
 )
 
 
+def assert_secret_nowhere(secret: str, run_dir, result) -> None:
+    """`secret` is in none of the run's files but its key file, nor in its output."""
+    assert len(secret) >= 32
+    for path in run_dir.rglob("*"):
+        if path.is_file() and path.name != "sglang_api_key":
+            assert secret.encode() not in path.read_bytes(), path
+    assert secret not in result.stdout + result.stderr
+
+
 def _check(result, run_dir) -> dict[int, dict[str, float]]:
     metrics = finished_run_metrics(result, run_dir)
     for step in (1, 2):
@@ -57,9 +66,11 @@ def _check(result, run_dir) -> dict[int, dict[str, float]]:
 )
 def test_training_on_an_external_server(sglang_servers, base_weights, tmp_path, method, overrides):
     url = sglang_servers.urls[0]
+    key = sglang_servers.servers[0].api_key
     common = [
         "rollout.backend=sglang",
         f"rollout.sglang.urls=[{json.dumps(url)}]",
+        f"rollout.sglang.api_key_file={key.path}",
         f"rollout.sglang.weight_sync={method}",
         "rollout.probe_tolerance=1e-3",
     ]
@@ -68,6 +79,8 @@ def test_training_on_an_external_server(sglang_servers, base_weights, tmp_path, 
     server = sglang_servers.servers[0].connection
     assert server.get("/model_info")["weight_version"] == "2"
     assert not (tmp_path / "sglang" / "sglang_0.log").exists()  # nothing was started
+    assert not (tmp_path / "sglang_api_key").exists()  # the servers' key was the one named
+    assert_secret_nowhere(key.value, tmp_path, result)
     if "algo.routing_replay=r3" in overrides:
         # SGLang's routed experts, placed on the training tokens and replayed.
         assert metrics[1]["routing/record_bytes"] > 0
@@ -113,6 +126,11 @@ def test_the_cpu_example_recipe_on_two_ranks_starts_a_server_of_its_own(two_rank
     result, run_dir = two_rank_sglang_run()
     _check(result, run_dir)
     log = (run_dir / "sglang" / "sglang_0.log").read_text()
+    # the run's own key, which only its owner reads, in no log, metric or output of the run
+    key = run_dir / "sglang_api_key"
+    assert key.stat().st_mode & 0o777 == 0o600
+    assert_secret_nowhere(key.read_text().strip(), run_dir, result)
+    assert "'api_key': '[redacted]'" in log  # SGLang logs its settings, its key redacted
     assert "--port 30100" in log and "--dtype float32" in log  # the recipe's server
     assert "--enable-return-routed-experts" not in log  # only R3 needs the routing
     assert "Uvicorn running" in log

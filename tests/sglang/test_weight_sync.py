@@ -4,12 +4,14 @@ mismatched update is refused before anything reaches the server."""
 
 from __future__ import annotations
 
+import psutil
 import pytest
 import torch
 
 from megatron_rl.files.hf_checkpoint import HFCheckpoint
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.rollout.sglang import SYNC_METHODS, SGLangEngine, SGLangError, make_weight_sync
+from megatron_rl.rollout.sglang.weight_sync import DistributedSync
 from tests.sglang.conftest import TINY_MODEL, tiny_tensor_shapes
 
 PROBE = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
@@ -55,10 +57,27 @@ def test_after_a_sync_the_server_computes_with_the_new_weights(
             assert engine.weight_version == version
             served = sglang_servers.servers[0].connection.get("/model_info")["weight_version"]
             assert served == str(version)
+        if method == "distributed":
+            _check_the_weight_store_is_the_runs_own(engine.weight_sync)
     finally:
         engine.close()
     if method == "disk":
         assert not list(tmp_path.iterdir())  # close() removed the weight directory
+
+
+def _check_the_weight_store_is_the_runs_own(sync: DistributedSync) -> None:
+    """torch's store has no authentication: it listens on the servers' address for the trainer
+    only (127.0.0.1 here), not on every interface, under a group name of its own."""
+    port = sync._store.port
+    listening = [
+        c.laddr.ip
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
+    assert listening == ["127.0.0.1"]
+    other = make_weight_sync("distributed", tp_sizes=[1], directory=".", hf_dir=TINY_MODEL)
+    assert sync.group_name.startswith("megatron_rl_weights_")
+    assert other.group_name != sync.group_name
 
 
 @pytest.mark.parametrize(

@@ -261,8 +261,12 @@ _OFFLINE_RUN = """
 import sys
 from pathlib import Path
 from megatron_rl.trainer.metrics import MetricsLogger, WandbSink
+config = {
+    "lr": 0.5,
+    "rollout": {"sglang": {"env": {"HF_TOKEN": "hf_SECRET1"}, "extra_args": ["--hf-token=x2"]}},
+}
 logger = MetricsLogger(
-    [WandbSink("megatron-rl-test", "offline", Path(sys.argv[1]), {"lr": 0.5}, mode="offline")]
+    [WandbSink("megatron-rl-test", "offline", Path(sys.argv[1]), config, mode="offline")]
 )
 logger.log(1, {"reward/mean": 0.25, "loss/policy": 1.5})
 logger.log(2, {"reward/mean": 0.75, "loss/policy": -2.0})
@@ -315,5 +319,12 @@ def test_wandb_offline_run_writes_logged_values(tmp_path):
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert run.project == "megatron-rl-test" and run.display_name == "offline"
     assert config["lr"] == 0.5
+    # secrets of the recipe (rollout.sglang.env, extra_args) are not in wandb's config
+    assert config["rollout"]["sglang"] == {
+        "env": {"HF_TOKEN": "[redacted]"},
+        "extra_args": ["--hf-token=[redacted]"],
+    }
+    for path in (tmp_path / "runs").rglob("*"):
+        assert not path.is_file() or b"hf_SECRET1" not in path.read_bytes(), path
     # The run ended cleanly: the log closes with an exit record.
     assert records[-1].WhichOneof("record_type") == "exit"

@@ -21,6 +21,10 @@ class SGLangConfig:
     trainer starts num_servers servers itself and stops them at the end."""
     router_url: str | None = None
     """An sglang-router in front of the servers, used for generation (weights go to urls)."""
+    api_key_file: str = ""
+    """A file (mode 0600) holding the API key that the servers of `urls` and `router_url` take;
+    empty: the run's own key, RUN_DIR/sglang_api_key, made by the trainer (or the SLURM job)
+    and given to the servers it starts (docs/sglang.md, "Who can drive the servers")."""
     num_servers: int = 1
     """Servers the trainer starts (data-parallel rollout)."""
     host: str = "127.0.0.1"

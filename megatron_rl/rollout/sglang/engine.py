@@ -28,6 +28,7 @@ from megatron_rl.rollout.engine import (
     WeightBucket,
     check_generate_request,
 )
+from megatron_rl.rollout.sglang.api_key import ApiKey
 from megatron_rl.rollout.sglang.http import RetryPolicy, ServerConnection, ServerDied, SGLangError
 from megatron_rl.rollout.sglang.responses import parse_prompt_logprobs, parse_samples
 from megatron_rl.rollout.sglang.servers import ServerGroup
@@ -46,7 +47,10 @@ class SGLangEngine:
         weight_sync: how weights reach the servers (megatron_rl.rollout.sglang.weight_sync).
         routed_experts: `(layers, topk)` of the model, needed to decode routed experts (R3).
         router_url: an sglang-router in front of `urls`, used for generation only.
-        managed: the ServerGroup that started `urls`, to restart a server that died.
+        managed: the ServerGroup that started `urls`, to restart a server that died (its
+            connections carry its API key).
+        api_key: the key every request to servers the engine does not manage, and to the
+            router, carries (megatron_rl.rollout.sglang.api_key); None: no key.
         architecture: the model's Hugging Face architecture; a server serving another one is
             refused before any weight is sent.
         retry: retries of servers the engine does not manage (managed ones bring their own).
@@ -63,6 +67,7 @@ class SGLangEngine:
         routed_experts: tuple[int, int] | None = None,
         router_url: str | None = None,
         managed: ServerGroup | None = None,
+        api_key: ApiKey | None = None,
         architecture: str | None = None,
         retry: RetryPolicy | None = None,
         tensor_shapes: dict[str, tuple[int, ...]] | None = None,
@@ -75,8 +80,8 @@ class SGLangEngine:
                 raise ValueError(f"urls: {list(urls)} are not the managed servers' {managed.urls}")
             self.servers = [server.connection for server in managed.servers]
         else:
-            self.servers = [ServerConnection(url, retry) for url in urls]
-        self.router = ServerConnection(router_url, retry) if router_url else None
+            self.servers = [ServerConnection(url, retry, api_key=api_key) for url in urls]
+        self.router = ServerConnection(router_url, retry, api_key=api_key) if router_url else None
         self.weight_sync = weight_sync
         self.routed_experts = routed_experts
         self.tensor_shapes = tensor_shapes

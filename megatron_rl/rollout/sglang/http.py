@@ -17,7 +17,13 @@ from typing import Any
 
 import requests
 
+from megatron_rl.rollout.sglang.api_key import ApiKey
+
 TRANSIENT_STATUS = frozenset({502, 503, 504})
+# A route an SGLang server with an API key answers only to requests carrying it (the keyless
+# /health and /ready answer anyone); sglang-router's is /workers.
+IDENTITY_PATH = "/model_info"
+ROUTER_IDENTITY_PATH = "/workers"
 
 
 class SGLangError(RuntimeError):
@@ -47,7 +53,8 @@ def _shorten(text: str, limit: int = 500) -> str:
 
 
 class ServerConnection:
-    """Requests to one server at `url` (e.g. `http://127.0.0.1:30000`).
+    """Requests to one server at `url` (e.g. `http://127.0.0.1:30000`), each carrying `api_key`
+    (the run's: megatron_rl.rollout.sglang.api_key) when given.
 
     `alive`, when the trainer started the server, says whether its process still runs: a
     connection error from a dead server is then reported at once instead of retried.
@@ -58,6 +65,7 @@ class ServerConnection:
         url: str,
         retry: RetryPolicy | None = None,
         *,
+        api_key: ApiKey | None = None,
         alive: Callable[[], bool] | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
@@ -65,7 +73,10 @@ class ServerConnection:
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
         self.alive = alive
+        self.api_key = api_key
         self._session = requests.Session()
+        if api_key is not None:
+            self._session.headers.update(api_key.header)
 
     def __repr__(self) -> str:
         return f"ServerConnection({self.url})"
@@ -79,8 +90,24 @@ class ServerConnection:
         return self._request("GET", path, None, retry or self.retry)
 
     def ping(self, path: str = "/health", timeout_s: float = 5.0) -> bool:
-        """One attempt, no retries: does the server answer `path` with 200?"""
+        """One attempt, no retries: does the server answer `path` with 200? (SGLang answers
+        /health to anyone: this says something listens, not whose it is; see `is_ours`.)"""
         try:
+            return self._session.get(self.url + path, timeout=timeout_s).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def is_ours(self, path: str = IDENTITY_PATH, timeout_s: float = 5.0) -> bool:
+        """One attempt each: does the server refuse `path` without a key (401) and answer it
+        with this connection's key (200)? A server started with another key, or none, or
+        something else on the port, does not; it is asked without the key first, so that one
+        that takes requests from anyone is never sent the key."""
+        if self.api_key is None:
+            raise ValueError(f"{self.url}: without an API key there is no identity to check")
+        try:
+            anonymous = requests.get(self.url + path, timeout=timeout_s)
+            if anonymous.status_code != 401:
+                return False
             return self._session.get(self.url + path, timeout=timeout_s).status_code == 200
         except requests.RequestException:
             return False

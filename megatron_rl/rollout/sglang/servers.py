@@ -1,8 +1,10 @@
 """SGLang server processes that the trainer starts, watches and stops.
 
 Each server is `python -m sglang.launch_server` in a session of its own, logging to
-`<log_dir>/sglang_<i>.log`. Stopping signals that session's process group by the PID this
-manager recorded (SGLang's scheduler and detokenizer are child processes), never by name.
+`<log_dir>/sglang_<i>.log`, started through `launch_with_key.py` with the run's API key (off its
+command line, redacted from its log), and ready once it answers as the run's own (`is_ours`).
+Stopping signals that session's process group by the PID this manager recorded (SGLang's
+scheduler and detokenizer are child processes), never by name.
 A server that died can be started again with the same arguments, optionally from another
 model directory (the latest weights on disk).
 """
@@ -19,8 +21,18 @@ from pathlib import Path
 
 from megatron_rl.process import children
 from megatron_rl.process.supervise import supervised_command
+from megatron_rl.redaction import redacted_argv
+from megatron_rl.rollout.sglang.api_key import ApiKey
 from megatron_rl.rollout.sglang.config import SGLangConfig
-from megatron_rl.rollout.sglang.http import RetryPolicy, ServerConnection, SGLangError
+from megatron_rl.rollout.sglang.http import (
+    IDENTITY_PATH,
+    RetryPolicy,
+    ServerConnection,
+    SGLangError,
+)
+
+# Run by SGLang's interpreter, by path: it imports nothing of megatron-rl.
+KEYED_LAUNCHER = Path(__file__).with_name("launch_with_key.py")
 
 # What torchrun (torch.distributed.run) tells its workers. A server started by a worker must not
 # see them: SGLang initialises torch.distributed from the environment and would try to join the
@@ -51,16 +63,18 @@ def server_argv(
     model_path: str,
     index: int,
     *,
+    key_file: Path,
     random_seed: int,
     routed_experts: bool = False,
 ) -> list[str]:
-    """The command line of server `index` of `config`, serving the checkpoint at `model_path`;
-    `random_seed` seeds its sampler (SGLang draws a random one otherwise, and a run's samples
-    would differ from start to start); `routed_experts` has it return each token's experts
-    (R3)."""
+    """The command line of server `index` of `config`, serving the checkpoint at `model_path`
+    with the API key in `key_file`; `random_seed` seeds its sampler (SGLang draws a random one
+    otherwise, and a run's samples would differ from start to start); `routed_experts` has it
+    return each token's experts (R3)."""
     args = [
         config.python or sys.executable,
-        "-m",
+        str(KEYED_LAUNCHER),
+        str(key_file),
         "sglang.launch_server",
         "--model-path",
         model_path,
@@ -110,16 +124,21 @@ class ManagedServer:
         index: int,
         log_dir: Path,
         *,
+        api_key: ApiKey,
         random_seed: int,
         routed_experts: bool = False,
     ) -> None:
         self.config, self.model_path, self.index = config, model_path, index
+        self.api_key = api_key
         self.random_seed = random_seed
         self.routed_experts = routed_experts
         self.url = f"http://{config.host}:{config.base_port + index}"
         self.log_path = Path(log_dir) / f"sglang_{index}.log"
         self.connection = ServerConnection(
-            self.url, RetryPolicy(deadline_s=config.request_deadline_s), alive=self.alive
+            self.url,
+            RetryPolicy(deadline_s=config.request_deadline_s),
+            api_key=api_key,
+            alive=self.alive,
         )
         self.process: subprocess.Popen | None = None
         self._lifeline = -1  # the write end of the supervisor's pipe while a process runs
@@ -143,6 +162,7 @@ class ManagedServer:
             self.config,
             model_path or self.model_path,
             self.index,
+            key_file=self.api_key.path,
             random_seed=self.random_seed,
             routed_experts=self.routed_experts,
         )
@@ -150,7 +170,7 @@ class ManagedServer:
         # (megatron_rl.process.supervise): the pipe's read end goes to the supervisor.
         watched, self._lifeline = os.pipe()
         with open(self.log_path, "ab") as log:
-            command = " ".join(argv)
+            command = " ".join(redacted_argv(argv))
             log.write(f"\n=== start {self.starts + 1}: {command}\n".encode())
             log.flush()
             try:
@@ -173,8 +193,8 @@ class ManagedServer:
         self.starts += 1
 
     def wait_ready(self) -> None:
-        """Until `/health` answers; an error (with the log's tail) when the process exits or
-        the start-up deadline passes."""
+        """Until the server answers as this run's (`ServerConnection.is_ours`); an error (with
+        the log's tail) when the process exits or the start-up deadline passes."""
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
@@ -183,12 +203,13 @@ class ManagedServer:
                     f"SGLang server {self.url} exited during start-up (exit code {code}); "
                     f"its log {self.log_path} ends with:\n{self.log_tail()}"
                 )
-            if self.connection.ping():
+            if self.connection.is_ours():
                 return
             time.sleep(1.0)
         self.stop()
         raise SGLangError(
-            f"SGLang server {self.url} did not answer /health within "
+            f"SGLang server {self.url} did not answer as this run's server (GET "
+            f"{IDENTITY_PATH}: 401 without its API key, 200 with it) within "
             f"{self.config.startup_timeout_s:g} s (rollout.sglang.startup_timeout_s); its log "
             f"{self.log_path} ends with:\n{self.log_tail()}"
         )
@@ -224,7 +245,8 @@ class ManagedServer:
 
 class ServerGroup:
     """The trainer's SGLang servers: started together, stopped together (a context manager).
-    Server i samples from `seed + i` (the run's seed: a run repeats its samples)."""
+    Server i samples from `seed + i` (the run's seed: a run repeats its samples); all take
+    `api_key`."""
 
     def __init__(
         self,
@@ -232,6 +254,7 @@ class ServerGroup:
         model_path: str,
         log_dir: str | Path,
         *,
+        api_key: ApiKey,
         seed: int,
         routed_experts: bool = False,
     ) -> None:
@@ -243,6 +266,7 @@ class ServerGroup:
                 model_path,
                 index,
                 Path(log_dir),
+                api_key=api_key,
                 random_seed=seed + index,
                 routed_experts=routed_experts,
             )

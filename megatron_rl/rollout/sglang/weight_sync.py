@@ -21,6 +21,7 @@ import base64
 import contextlib
 import io
 import json
+import secrets
 import shutil
 import socket
 import threading
@@ -41,6 +42,7 @@ from megatron_rl.files.atomic import staged_directory
 from megatron_rl.rollout.engine import WeightBucket
 from megatron_rl.rollout.sglang.config import SYNC_METHODS, SyncMethod
 from megatron_rl.rollout.sglang.http import ServerConnection, SGLangError
+from megatron_rl.rollout.sglang.network import listening_socket
 
 
 def _checked(answer: Any, where: str) -> Any:
@@ -184,16 +186,9 @@ class TensorSync:
         pass
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
 def open_weight_group(
     backend: str,
-    master_address: str,
-    master_port: int,
+    listener: socket.socket,
     world_size: int,
     group_name: str,
     timeout_s: float,
@@ -201,10 +196,12 @@ def open_weight_group(
     """The trainer's end (rank 0) of the weight-update group SGLang's servers join.
 
     A group apart from the training job's default group, built the way SGLang builds its end
-    (`init_custom_process_group` in sglang/srt/utils/common.py): a TCP store at the master
-    address, prefixed with the group's name, then torch's process-group helper. Both ends must
-    lay out the store's keys alike, hence torch's private helper rather than a public API.
-    Returns the group and its store, which must live as long as the group.
+    (`init_custom_process_group` in sglang/srt/utils/common.py): a TCP store, prefixed with the
+    group's name, then torch's process-group helper. Both ends must lay out the store's keys
+    alike, hence torch's private helper rather than a public API. The store serves on
+    `listener` (a listening socket, handed over: the store closes it), so it listens where the
+    caller bound it, at the port the servers were told. Returns the group and its store, which
+    must live as long as the group.
     """
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -214,7 +211,10 @@ def open_weight_group(
     )
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
+    host, port = listener.getsockname()[:2]
+    store = dist.TCPStore(
+        host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach()
+    )
     group, _ = _new_process_group_helper(
         world_size,
         0,
@@ -232,13 +232,16 @@ def open_weight_group(
 class DistributedSync:
     """Broadcast each bucket from the trainer's rank 0 to every server's ranks.
 
+    torch's stores have no authentication: the group's store listens only on the address the
+    servers reach (`master_address`), at a port the system picks, under a group name drawn at
+    random per sync (docs/slurm.md, "Trust model").
+
     Args:
         tp_sizes: each server's tensor-parallel size (its number of ranks in the group).
         master_address: the trainer host's address, as the servers reach it.
         backend: "nccl" (GPU) or "gloo" (CPU).
+        timeout_s: how long the group's set-up and each collective may take.
     """
-
-    group_name = "megatron_rl_weights"
 
     def __init__(
         self,
@@ -252,11 +255,13 @@ class DistributedSync:
         self.master_address = master_address
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout_s = timeout_s
+        self.group_name = f"megatron_rl_weights_{secrets.token_hex(8)}"
         self.group: dist.ProcessGroup | None = None
         self._store: dist.TCPStore | None = None
 
     def _open(self, servers: Sequence[ServerConnection]) -> None:
-        port = free_port(self.master_address)
+        listener = listening_socket(self.master_address, given_as="rollout.sglang.master_address")
+        port = listener.getsockname()[1]
         world_size = 1 + sum(self.tp_sizes)
         offsets = [1 + sum(self.tp_sizes[:index]) for index in range(len(servers))]
         errors: list[BaseException] = []
@@ -291,8 +296,7 @@ class DistributedSync:
                 opened.append(
                     open_weight_group(
                         self.backend,
-                        self.master_address,
-                        port,
+                        listener,
                         world_size,
                         self.group_name,
                         self.timeout_s,

@@ -9,8 +9,15 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 
 class Health(BaseHTTPRequestHandler):
+    """/health to anyone, as SGLang; anything else only with the server's API key."""
+
+    api_key = ""
+
     def do_GET(self) -> None:
-        self.send_response(200)
+        allowed = self.path.startswith("/health") or (
+            self.headers.get("Authorization") == f"Bearer {self.api_key}"
+        )
+        self.send_response(200 if allowed else 401)
         self.end_headers()
 
     def log_message(self, *args) -> None:
@@ -21,7 +28,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
+    parser.add_argument("--api-key")
     args, _ = parser.parse_known_args()
+    Health.api_key = args.api_key
     mode = os.environ.get("FAKE_SGLANG_MODE", "ok")
     print(f"fake sglang: mode {mode}, argv {sys.argv[1:]}", flush=True)
     launcher = {
