@@ -32,6 +32,7 @@ from typing import IO
 
 from megatron_rl.files.atomic import write_text_atomic
 from megatron_rl.files.file_ranges import RangeReader
+from megatron_rl.files.listed_names import listed_path
 
 MANIFEST = "checksums.json"
 ALGORITHM = "crc32"
@@ -198,10 +199,13 @@ def _read_manifest(path: Path, directory: Path) -> dict[str, FileChecksum]:
         manifest = json.loads(path.read_text())
         if manifest["algorithm"] != ALGORITHM:
             raise ValueError(f"algorithm {manifest['algorithm']!r}, this version reads {ALGORITHM}")
-        return {
+        recorded = {
             name: FileChecksum(int(entry["size"]), int(entry[ALGORITHM], 16))
             for name, entry in manifest["files"].items()
         }
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
         reason = f"{type(error).__name__}: {str(error).split('. ')[0]}"
         raise ValueError(f"{path}: damaged ({reason}); {directory} is unusable") from None
+    for name in recorded:
+        listed_path(directory, name, path, "files")
+    return recorded

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from megatron_rl.files.listed_names import listed_path
 from megatron_rl.files.readahead import read_ahead
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -92,7 +93,14 @@ class HFCheckpoint:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as error:
                 raise ValueError(f"{index}: not a valid safetensors index ({error!r})") from None
-            files = {name: self.directory / file for name, file in weight_map.items()}
+            if not isinstance(weight_map, dict):
+                raise ValueError(
+                    f"{index}: not a valid safetensors index (weight_map is not an object)"
+                )
+            files = {
+                name: listed_path(self.directory, file, index, "weight_map")
+                for name, file in weight_map.items()
+            }
             for path in sorted(set(files.values())):
                 if not path.is_file():
                     raise ValueError(f"{path}: listed in {INDEX_NAME} but missing")
@@ -191,7 +199,7 @@ def tokenizer_code_files(directory: Path) -> list[str]:
     """The Python modules that tokenizer_config.json's auto_map names for AutoTokenizer
     (`["tokenization_moonshot.TikTokenTokenizer", null]`: tokenization_moonshot.py); none for
     a tokenizer of transformers' own, or a tokenizer_config.json that is not JSON (loading the
-    tokenizer names that)."""
+    tokenizer names that). A ValueError names a module whose file would be outside `directory`."""
     path = directory / "tokenizer_config.json"
     try:
         auto_map = json.loads(path.read_bytes()).get("auto_map") if path.is_file() else None
@@ -204,6 +212,8 @@ def tokenizer_code_files(directory: Path) -> list[str]:
         return []
     # "module.Class", or "repo--module.Class" for code kept in another repository
     modules = {ref.split("--")[-1].rsplit(".", 1)[0] for ref in classes if isinstance(ref, str)}
+    for module in modules:  # a file copied with the weights: one of the directory's
+        listed_path(directory, f"{module}.py", path, "auto_map")
     return sorted(f"{module}.py" for module in modules)
 
 
