@@ -79,6 +79,8 @@ from torch.futures import Future
 from megatron_rl.files.atomic import flush_to_disk
 from megatron_rl.files.checksums import FileChecksum, HashingWriter
 from megatron_rl.files.file_ranges import FileRange, OpenFiles
+from megatron_rl.files.listed_names import listed_path
+from megatron_rl.files.plain_data import NotPlainData, load_plain_data, read_distcp_index
 from megatron_rl.files.readahead import read_ahead
 from megatron_rl.files.torch_records import stored_tensor
 from megatron_rl.files.write_behind import WriteBehind
@@ -95,12 +97,15 @@ FILES_PER_RANK = 2
 def check_weights(ckpt: Path) -> Metadata:
     """Raise a ValueError naming the file when checkpoint `ckpt`'s `weights/` is incomplete:
     megatron-core's metadata.json and common.pt, torch.distributed.checkpoint's index
-    (`.metadata`), and every data file at least as long as the index says. Returns the index."""
+    (`.metadata`), and every data file at least as long as the index says, inside `weights/`.
+    common.pt and the index are read as plain data (`megatron_rl.files.plain_data`): one that
+    names anything else is refused (`NotPlainData`) before megatron-core or torch reads it.
+    Returns the index."""
     weights = ckpt / "weights"
     readers = {
         "metadata.json": lambda: json.loads((weights / "metadata.json").read_text()),
-        "common.pt": lambda: torch.load(weights / "common.pt", weights_only=False),
-        ".metadata": lambda: FileSystemReader(str(weights)).read_metadata(),
+        "common.pt": lambda: load_plain_data(weights / "common.pt"),
+        ".metadata": lambda: read_distcp_index(weights / ".metadata"),
     }
     contents = {}
     for name, read in readers.items():
@@ -108,6 +113,8 @@ def check_weights(ckpt: Path) -> Metadata:
             raise ValueError(f"{weights / name}: missing; {ckpt} is not a complete checkpoint")
         try:
             contents[name] = read()
+        except NotPlainData:
+            raise
         except Exception as error:
             reason = f"{type(error).__name__}: {str(error).split('. ')[0]}"
             raise ValueError(f"{weights / name}: damaged ({reason}); {ckpt} is unusable") from None
@@ -116,7 +123,7 @@ def check_weights(ckpt: Path) -> Metadata:
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     for name, size in sorted(needed.items()):
-        path = weights / name
+        path = listed_path(weights, name, weights / ".metadata", "storage_data")
         if not path.is_file():
             raise ValueError(f"{path}: missing; {ckpt} is not a complete checkpoint")
         if path.stat().st_size < size:
