@@ -52,6 +52,7 @@ from megatron_rl.checkpoint.format import (
 )
 from megatron_rl.files.atomic import flush_to_disk, staged_directory, write_text_atomic
 from megatron_rl.files.checksums import FileChecksum, HashingWriter
+from megatron_rl.files.plain_data import load_plain_data
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.trainer.optimizer_state import (
     is_distributed,
@@ -69,17 +70,48 @@ from megatron_rl.trainer.run_dir import (
 
 
 def _rng_state() -> dict[str, Any]:
-    return {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+    """This process's RNG states as tensors, numbers and tuples: plain data, which
+    `torch.load(weights_only=True)` reads back (NumPy's key as an int64 tensor)."""
+    kind, key, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    numpy = {
+        "kind": str(kind),
+        "key": torch.from_numpy(key.astype(np.int64)),
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
     }
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy}
+
+
+# Checkpoints saved before the states were plain data hold NumPy's state as NumPy pickles it:
+# an array rebuilt from its bytes (no function of the file's choosing is called), and a dtype.
+_NUMPY_ARRAY = [
+    np._core.multiarray._reconstruct,
+    (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),  # NumPy 1
+    np.ndarray,
+    np.dtype,
+]
+
+
+def _load_rng_state(path: Path) -> dict[str, Any]:
+    """The RNG states saved at `path` (`_rng_state`, or an older checkpoint's NumPy array)."""
+    return load_plain_data(path, allowed=_NUMPY_ARRAY)
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy = state["numpy"]
+    if isinstance(numpy, dict):  # as `_rng_state` saves it; older checkpoints hold NumPy's tuple
+        key = numpy["key"].numpy().astype(np.uint32)
+        numpy = (
+            numpy["kind"],
+            key,
+            numpy["position"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    np.random.set_state(numpy)
 
 
 def _sharded_state(policy: Policy, *, is_loading: bool, format_version: int) -> dict[str, Any]:
@@ -269,7 +301,7 @@ def _save_durably(value: Any, path: Path) -> FileChecksum:
 def load_rollouts_ahead(path: Path) -> list[dict[str, Any]]:
     """The rollouts generated ahead that the checkpoint at `path` saved (none: empty)."""
     saved = path / ROLLOUTS_AHEAD
-    return torch.load(saved, weights_only=True) if saved.exists() else []
+    return load_plain_data(saved) if saved.exists() else []
 
 
 def load_checkpoint(path: Path, policy: Policy) -> tuple[int, dict[str, Any]]:
@@ -284,5 +316,5 @@ def load_checkpoint(path: Path, policy: Policy) -> tuple[int, dict[str, Any]]:
     policy.model.module.load_state_dict(loaded["model"])
     load_optimizer_state(policy.optimizer, loaded["optimizer"])
     policy.scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    _set_rng_state(_load_rng_state(path / f"rng_rank{dist.get_rank()}.pt"))
     return state["step"], state["trainer"]
