@@ -11,9 +11,12 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root" || exit 1
 out="${OUT:-/tmp/gpu-bench}"
 mkdir -p "$out"
-OUT="$out" bash scripts/gpu_check.sh
-if [ -d /tmp/site ]; then
-  export PYTHONPATH="/tmp/site:$repo_root"  # what gpu_check.sh installed from .whl/
+# the wheels of .whl/, installed by gpu_check.sh into a directory of this run's own
+site="$(mktemp -d)" || exit 1
+trap 'rm -rf "$site"' EXIT
+OUT="$out" bash scripts/gpu_check.sh "$site"
+if [ -d .whl ]; then
+  export PYTHONPATH="$site:$repo_root"
 else
   export PYTHONPATH="$repo_root"
 fi
