@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+from megatron_rl.rewards.huge_numbers import writes_huge_number
+
 Verifier = Callable[[str, str, str], float]
 
 VERIFIERS: dict[str, Verifier] = {}
@@ -24,6 +26,7 @@ VERIFIERS: dict[str, Verifier] = {}
 DEFAULT_CONCURRENCY = 8
 
 _BOXED = "\\boxed{"
+_BRACES = re.compile(re.escape(_BOXED) + r"|\{|\}")
 _ANSWER_MARKER = "#### "
 _STRIPPED_AROUND_ANSWER = string.whitespace + "$"
 # Thousands separators are removed only from correctly grouped numbers, so that a tuple such as
@@ -74,32 +77,21 @@ def extract_final_answer(text: str) -> str | None:
 
 
 def _last_boxed_content(text: str) -> str | None:
-    content = None
-    search_from = 0
-    while (start := text.find(_BOXED, search_from)) >= 0:
-        opened = start + len(_BOXED)
-        closing = _matching_brace(text, opened)
-        if closing is None:
-            # Unclosed (a truncated response): a complete box nested inside it may still follow.
-            search_from = opened
-        else:
-            content = text[opened:closing]
-            # Resume after the box so that a box nested inside it does not count as a later one.
-            search_from = closing + 1
-    return content
-
-
-def _matching_brace(text: str, opened: int) -> int | None:
-    """The index of the `}` that closes the brace opened just before `opened`, if any."""
-    depth = 1
-    for position in range(opened, len(text)):
-        if text[position] == "{":
-            depth += 1
-        elif text[position] == "}":
-            depth -= 1
-            if depth == 0:
-                return position
-    return None
+    # One pass with a stack of the open braces, each marked with where its box's content starts
+    # (None for a brace that opens no box): the answer is the complete box that closes last.
+    # That is the rule "the last outermost complete box, an unclosed box transparent (a box
+    # nested in it may still count)": a brace closes the nearest brace still open before it,
+    # so complete boxes are nested or disjoint and the one closing last lies inside no other
+    # complete box (that one would close later) and after every other outermost one; unclosed
+    # braces stay on the stack and change no match.
+    open_boxes: list[int | None] = []
+    last_box: tuple[int, int] | None = None
+    for brace in _BRACES.finditer(text):
+        if brace.group() != "}":
+            open_boxes.append(brace.end() if brace.group() == _BOXED else None)
+        elif open_boxes and (content_start := open_boxes.pop()) is not None:
+            last_box = (content_start, brace.start())
+    return None if last_box is None else text[last_box[0] : last_box[1]]
 
 
 def normalize_answer(answer: str) -> str:
@@ -148,10 +140,16 @@ def math_verifier(prompt: str, response: str, reference: str) -> float:
     `\\sqrt{8}`), else 0.0.
 
     The final answer is the last `\\boxed{}` or `#### ` line (`extract_final_answer`); a
-    response with neither is handed to math-verify whole, which extracts what it can. The
-    reference may be bare or carry `####` / `\\boxed{}` itself. A reference math-verify cannot
-    read raises (the sample is counted in `reward/failures`), so a bad dataset shows.
+    response with neither is handed to math-verify whole, which extracts what it can. An answer
+    (or such a whole response) that writes a number too large to evaluate (`writes_huge_number`:
+    `9^{9^{9^{9}}}`, `(10^{6})!`) scores 0.0 before math-verify sees it: sympy would evaluate
+    it exactly, for hours, holding the GIL. The reference may be bare or carry `####` /
+    `\\boxed{}` itself. A reference math-verify cannot read raises (the sample is counted in
+    `reward/failures`), so a bad dataset shows.
     """
+    answer = extract_final_answer(response)
+    if writes_huge_number(response if answer is None else answer):
+        return 0.0
     # Imported here: math-verify pulls sympy and its LaTeX grammar, which only this verifier needs.
     from math_verify import parse, verify
 
@@ -161,7 +159,6 @@ def math_verifier(prompt: str, response: str, reference: str) -> float:
     gold = parse(f"\\boxed{{{reference if expected is None else expected}}}", parsing_timeout=None)
     if not gold:
         raise ValueError(f"reference {reference!r}: math-verify finds no answer in it")
-    answer = extract_final_answer(response)
     target = parse(response if answer is None else f"\\boxed{{{answer}}}", parsing_timeout=None)
     return 1.0 if target and verify(gold, target, timeout_seconds=None) else 0.0
 
