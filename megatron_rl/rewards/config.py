@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from megatron_rl.config import ConfigError, check_positive
 from megatron_rl.rewards.arithmetic import ArithmeticTask
 from megatron_rl.rewards.datasets import load_jsonl_problems, load_parquet_problems
+from megatron_rl.rewards.scoring_pool import ScoringPool
 from megatron_rl.rewards.source import ProblemSource
 from megatron_rl.rewards.verifiers import verifier_names
 
@@ -34,7 +36,14 @@ class DataConfig:
     verifier: str = "arithmetic"
     """Reward function, one of megatron_rl.rewards.verifier_names()."""
     reward_timeout_s: float = 5.0
-    """A verifier call longer than this gives reward 0 (counted as a timeout)."""
+    """A verifier call longer than this gives reward 0 (counted as a timeout): its scoring
+    worker process is killed and replaced."""
+    reward_workers: int = 8
+    """Scoring worker processes on rank 0: verifier calls run in parallel, one per worker."""
+    reward_memory_mb: int = 4096
+    """Memory a scoring worker may take beyond what it holds once started (its address space,
+    RLIMIT_AS); a verifier call that needs more gives reward 0 (counted as a failure), and its
+    worker is replaced."""
     eval_problems: int = 256
     """Held-out problems scored at each evaluation (the first N of the eval split)."""
     min_operands: int = 3
@@ -57,7 +66,13 @@ class DataConfig:
         for name in ("prompt_key", "answer_key"):
             if not getattr(self, name):
                 raise ConfigError(f"data.{name}: expected a non-empty key")
-        check_positive("data", self, "reward_timeout_s", "eval_problems")
+        check_positive(
+            "data", self, "reward_timeout_s", "reward_workers", "reward_memory_mb", "eval_problems"
+        )
+        if not math.isfinite(self.reward_timeout_s):
+            raise ConfigError(
+                f"data.reward_timeout_s: expected finite seconds, got {self.reward_timeout_s}"
+            )
 
 
 def problem_source(config: DataConfig, *, per_step: int, seed: int) -> ProblemSource:
@@ -77,3 +92,12 @@ def problem_source(config: DataConfig, *, per_step: int, seed: int) -> ProblemSo
         # One fixed held-out set (seed 0), so runs with different seeds are compared on it.
         held_out = task.problems("eval", config.eval_problems, seed=0)
     return ProblemSource(train, held_out[: config.eval_problems], per_step=per_step, seed=seed)
+
+
+def open_scoring_pool(config: DataConfig) -> ScoringPool:
+    """The scoring worker processes `config` asks for, started; the caller closes them."""
+    return ScoringPool(
+        workers=config.reward_workers,
+        timeout_s=config.reward_timeout_s,
+        memory_limit_mb=config.reward_memory_mb,
+    )

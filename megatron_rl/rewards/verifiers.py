@@ -1,29 +1,23 @@
-"""Verifiers registered by name, final-answer extraction, and failure-tolerant batch scoring.
+"""Verifiers registered by name, and the final-answer extraction and normalisation they share.
 
-A verifier is a plain function `(prompt, response, reference) -> float`. The trainer scores a whole
-rollout batch through `score_responses`, which turns a verifier that raises, returns garbage or
-hangs into a 0.0 reward and a count, so one bad sample never stops a training step. Nothing here
-logs: the caller reports the counts.
+A verifier is a plain function `(prompt, response, reference) -> float`. The trainer scores a
+whole rollout batch through `megatron_rl.rewards.scoring.score_responses`, which runs it in
+worker processes that it can kill, so that a verifier that raises, hangs or crashes costs one
+sample a 0.0 reward, never the training step. A verifier scored there must be a module-level
+function: the workers receive it by reference.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 import re
 import string
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from megatron_rl.rewards.huge_numbers import writes_huge_number
 
 Verifier = Callable[[str, str, str], float]
 
 VERIFIERS: dict[str, Verifier] = {}
-
-DEFAULT_CONCURRENCY = 8
 
 _BOXED = "\\boxed{"
 _BRACES = re.compile(re.escape(_BOXED) + r"|\{|\}")
@@ -154,124 +148,10 @@ def math_verifier(prompt: str, response: str, reference: str) -> float:
     from math_verify import parse, verify
 
     expected = extract_final_answer(reference)
-    # Its own timeouts use signal.alarm, which only the main thread may; score_responses
-    # runs verifiers on worker threads and enforces the deadline itself.
+    # Its own timeouts use signal.alarm, which works on a main thread only and cannot stop C
+    # code that holds the GIL anyway; the scoring pool's deadline kills the worker instead.
     gold = parse(f"\\boxed{{{reference if expected is None else expected}}}", parsing_timeout=None)
     if not gold:
         raise ValueError(f"reference {reference!r}: math-verify finds no answer in it")
     target = parse(response if answer is None else f"\\boxed{{{answer}}}", parsing_timeout=None)
     return 1.0 if target and verify(gold, target, timeout_seconds=None) else 0.0
-
-
-@dataclass(frozen=True)
-class RewardScores:
-    """The rewards of a batch and how many samples got 0.0 because their verifier misbehaved."""
-
-    rewards: list[float]
-    """One reward per sample, in input order."""
-    failures: int
-    """Samples whose verifier raised or returned a non-numeric or non-finite value."""
-    timeouts: int
-    """Samples whose verifier did not return within the timeout."""
-
-
-def score_responses(
-    verifier: Verifier,
-    prompts: Sequence[str],
-    responses: Sequence[str],
-    references: Sequence[str],
-    timeout_s: float | None,
-    *,
-    concurrency: int = DEFAULT_CONCURRENCY,
-) -> RewardScores:
-    """Score every sample with `verifier`; misbehaviour costs that sample a 0.0, never an exception.
-
-    A verifier that raises, or returns a non-numeric or non-finite value, scores 0.0 and counts
-    as a failure. With a positive finite `timeout_s`, verifiers run on worker threads, at most
-    `concurrency` at a time, and each sample gets `timeout_s` wall-clock seconds from its own
-    start; one that overruns scores 0.0 and counts as a timeout. A Python thread cannot be killed,
-    so an overrunning call keeps running in the background until it returns, and a call that never
-    returns keeps the interpreter from exiting (concurrent.futures joins its threads at exit). A
-    verifier stuck in C code that holds the GIL cannot be timed out by threads at all. With
-    `timeout_s` None, zero, negative or infinite, verifiers run one by one in the calling thread.
-
-    Raises:
-        ValueError: the three sequences differ in length, `timeout_s` is NaN, or `concurrency`
-            is not a positive int.
-    """
-    lengths = {"prompts": len(prompts), "responses": len(responses), "references": len(references)}
-    if len(set(lengths.values())) > 1:
-        counts = ", ".join(f"{name}={length}" for name, length in lengths.items())
-        raise ValueError(f"prompts, responses and references must have equal lengths; got {counts}")
-    if timeout_s is not None and math.isnan(timeout_s):
-        raise ValueError("timeout_s: expected seconds (or None for no timeout), got nan")
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-        raise ValueError(f"concurrency: expected an int >= 1, got {concurrency!r}")
-    samples = list(zip(prompts, responses, references, strict=True))
-    if timeout_s is None or timeout_s <= 0 or math.isinf(timeout_s) or not samples:
-        outcomes = [_score_one(verifier, *sample) for sample in samples]
-        return _collect(outcomes, timeouts=0)
-    return _score_with_deadlines(verifier, samples, timeout_s, concurrency)
-
-
-def _score_one(verifier: Verifier, prompt: str, response: str, reference: str) -> float | None:
-    """The sample's reward, or None when the verifier failed."""
-    try:
-        value = verifier(prompt, response, reference)
-        reward = float(value) if isinstance(value, numbers.Real) else math.nan
-    except Exception:
-        # A verifier bug or a malformed response must cost one sample, not the training step.
-        return None
-    return reward if math.isfinite(reward) else None
-
-
-def _collect(outcomes: list[float | None], timeouts: int) -> RewardScores:
-    """RewardScores from per-sample outcomes, where None means failed or timed out."""
-    rewards = [0.0 if outcome is None else outcome for outcome in outcomes]
-    failures = sum(outcome is None for outcome in outcomes) - timeouts
-    return RewardScores(rewards=rewards, failures=failures, timeouts=timeouts)
-
-
-def _score_with_deadlines(
-    verifier: Verifier,
-    samples: list[tuple[str, str, str]],
-    timeout_s: float,
-    concurrency: int,
-) -> RewardScores:
-    """Run verifiers on threads, at most `concurrency` live at once, each with its own deadline.
-
-    Samples are submitted by this loop, not queued in the executor, and the executor may grow to
-    one thread per sample: a submitted call therefore starts at once (an idle thread is reused, or
-    a new one replaces a hung one), so its deadline is measured from its start, and a hung call,
-    once abandoned, stops counting against the concurrency and never delays the samples after it.
-    """
-    outcomes: list[float | None] = [None] * len(samples)
-    timeouts = 0
-    running: dict[Future[float | None], tuple[int, float]] = {}  # -> (sample index, deadline)
-    next_sample = 0
-    executor = ThreadPoolExecutor(max_workers=len(samples), thread_name_prefix="verifier")
-    try:
-        while next_sample < len(samples) or running:
-            while next_sample < len(samples) and len(running) < concurrency:
-                future = executor.submit(_score_one, verifier, *samples[next_sample])
-                running[future] = (next_sample, time.monotonic() + timeout_s)
-                next_sample += 1
-            earliest_deadline = min(deadline for _, deadline in running.values())
-            done, _ = wait(
-                running,
-                timeout=max(0.0, earliest_deadline - time.monotonic()),
-                return_when=FIRST_COMPLETED,
-            )
-            for future in done:
-                index, _ = running.pop(future)
-                outcomes[index] = future.result()
-            now = time.monotonic()
-            for future, (_, deadline) in list(running.items()):
-                # A call that finished just now is collected on the next pass, not timed out.
-                if now >= deadline and not future.done():
-                    del running[future]
-                    timeouts += 1
-    finally:
-        # Abandoned calls keep their threads; waiting for them would defeat the timeout.
-        executor.shutdown(wait=False, cancel_futures=True)
-    return _collect(outcomes, timeouts)

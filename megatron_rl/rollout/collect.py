@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatron_rl.rewards import Problem, Verifier, score_responses
+from megatron_rl.rewards import Problem, ScoringPool, Verifier, score_responses
 from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.engine import RolloutEngine, Sample, SamplingParams
 
@@ -31,10 +31,11 @@ def collect_rollouts(
     *,
     group_size: int,
     seed: int,
-    reward_timeout_s: float,
+    scoring: ScoringPool | None = None,
     return_routed_experts: bool = False,
 ) -> Rollouts:
-    """Generate `group_size` responses per problem and score each with `verifier`."""
+    """Generate `group_size` responses per problem and score each with `verifier`, in the
+    `scoring` pool's worker processes (without one, in this thread with no deadline)."""
     groups = engine.generate(
         [codec.encode_prompt(problem.prompt, origin=problem.origin) for problem in problems],
         params,
@@ -54,7 +55,7 @@ def collect_rollouts(
         [problem.prompt for problem in repeated],
         [codec.decode(sample.response_ids) for sample in samples],
         [problem.reference for problem in repeated],
-        timeout_s=reward_timeout_s,
+        scoring,
     )
     rewards = torch.tensor(scores.rewards, dtype=torch.float32)
     lengths = torch.tensor([len(sample.response_ids) for sample in samples], dtype=torch.float32)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megatron_rl.rewards import Problem, Verifier, score_responses
+from megatron_rl.rewards import Problem, ScoringPool, Verifier, score_responses
 from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.engine import RolloutEngine, SamplingParams
 
@@ -16,9 +16,10 @@ def held_out_accuracy(
     verifier: Verifier,
     *,
     max_new_tokens: int,
-    timeout_s: float = 5.0,
+    scoring: ScoringPool | None = None,
 ) -> float:
-    """Mean reward of one greedy (temperature 0) response per problem."""
+    """Mean reward of one greedy (temperature 0) response per problem, scored in the `scoring`
+    pool's worker processes (without one, in this thread with no deadline)."""
     params = SamplingParams(
         temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=codec.stop_token_ids
     )
@@ -31,6 +32,6 @@ def held_out_accuracy(
         [p.prompt for p in problems],
         responses,
         [p.reference for p in problems],
-        timeout_s=timeout_s,
+        scoring,
     )
     return sum(scores.rewards) / len(problems)

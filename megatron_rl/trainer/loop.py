@@ -1,12 +1,12 @@
 """The RL loop: rollout -> rewards -> advantages -> old log-probs -> minibatch updates -> weight
 sync -> metrics -> checkpoint. `train(recipe)` runs it on every rank of the job.
 
-Rank 0 owns the rollout engine, the verifiers and the metric sinks; the samples go to every rank,
-which takes its data-parallel share. With rollout.max_staleness > 0 the rollouts of later steps
-are generated while the trainer trains (megatron_rl.trainer.rollout_queue). Each step's
-randomness (the prompts, the engine's sampling, the minibatch order) is derived from `run.seed`
-and the step number alone, so a resumed run repeats exactly what an uninterrupted one would have
-done.
+Rank 0 owns the rollout engine, the verifiers' scoring worker processes and the metric sinks;
+the samples go to every rank, which takes its data-parallel share. With rollout.max_staleness > 0
+the rollouts of later steps are generated while the trainer trains
+(megatron_rl.trainer.rollout_queue). Each step's randomness (the prompts, the engine's sampling,
+the minibatch order) is derived from `run.seed` and the step number alone, so a resumed run
+repeats exactly what an uninterrupted one would have done.
 """
 
 from __future__ import annotations
@@ -25,7 +25,15 @@ from megatron_rl.parallel.collectives import any_rank, from_rank0
 from megatron_rl.parallel.dims import ParallelDims
 from megatron_rl.parallel.distributed import LaunchEnv, init_distributed, shutdown_distributed
 from megatron_rl.process.stop import StopSignals
-from megatron_rl.rewards import Problem, ProblemSource, Verifier, get_verifier, problem_source
+from megatron_rl.rewards import (
+    Problem,
+    ProblemSource,
+    ScoringPool,
+    Verifier,
+    get_verifier,
+    open_scoring_pool,
+    problem_source,
+)
 from megatron_rl.rollout.backends import open_engine
 from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.engine import RolloutEngine
@@ -78,7 +86,7 @@ def train(
     timeout = timedelta(seconds=recipe.run.collective_timeout_s)
     init_distributed(dims, launch, seed=recipe.run.seed, timeout=timeout)
     try:
-        with ExitStack() as stack:  # the rollout engine's servers and resources
+        with ExitStack() as stack:  # the scoring workers, the engine's servers and resources
             return Trainer.build(recipe, dims, stack, resume=resume, stop=stop).run()
     except RunStopped as stopped:
         if dist.get_rank() == 0:
@@ -102,12 +110,14 @@ class Trainer:
         codec: PromptCodec,
         problems: ProblemSource,
         verifier: Verifier,
+        scoring: ScoringPool | None = None,
         stop: StopSignals | None = None,
         reference: ReferencePolicy | None = None,
     ) -> None:
         self.recipe, self.policy, self.engine = recipe, policy, engine
         self.reference = reference
         self.codec, self.problems, self.verifier = codec, problems, verifier
+        self.scoring = scoring  # rank 0's; None elsewhere
         self.stop = stop
         self.loss_spec = recipe.algo.loss_spec(max_response_len=recipe.rollout.max_new_tokens)
         self.run_dir = Path(recipe.run.dir)
@@ -129,8 +139,9 @@ class Trainer:
         resume: bool,
         stop: StopSignals | None = None,
     ) -> Trainer:
-        """The policy, the engine (its servers and resources released when `stack` closes)
-        serving the policy's weights, and the data; from the newest checkpoint with `resume`."""
+        """The policy, the engine serving the policy's weights and the scoring workers (their
+        processes and resources released when `stack` closes), and the data; from the newest
+        checkpoint with `resume`."""
         hf_path, run_dir = recipe.model.hf_path, Path(recipe.run.dir)
         found = from_rank0(lambda: resume_point(run_dir, resume=resume))
         codec = PromptCodec(
@@ -150,8 +161,11 @@ class Trainer:
         reference = None
         if recipe.algo.kl_coef > 0:
             reference = ReferencePolicy(recipe.model, dims, offload=recipe.algo.ref_offload)
-        engine = None
+        engine, scoring = None, None
         if dist.get_rank() == 0:
+            # Opened before the engine: the workers start while it loads, and the pool closes
+            # after the background rollout work that scores in it has stopped.
+            scoring = stack.enter_context(open_scoring_pool(recipe.data))
             engine = open_engine(
                 recipe.rollout,
                 hf_path,
@@ -163,7 +177,9 @@ class Trainer:
             )
         rank0_engine = Rank0Engine(engine, partial_rollouts=recipe.rollout.partial_rollouts)
         stack.callback(rank0_engine.close)  # before the engine's own resources are released
-        trainer = cls(recipe, policy, rank0_engine, codec, problems, verifier, stop, reference)
+        trainer = cls(
+            recipe, policy, rank0_engine, codec, problems, verifier, scoring, stop, reference
+        )
         if found is not None:
             trainer.start, state = load_checkpoint(found, policy)
             trainer.bad_steps = state["bad_steps"]
@@ -236,8 +252,8 @@ class Trainer:
             self.verifier,
             rollout=recipe.rollout,
             algo=recipe.algo,
-            data=recipe.data,
             seed=recipe.run.seed * 1_000_003 + step,
+            scoring=self.scoring,
             return_routed_experts=recipe.engine_returns_routing,
         )
 
@@ -265,7 +281,7 @@ class Trainer:
                 self.problems.eval_problems,
                 self.verifier,
                 max_new_tokens=recipe.rollout.max_new_tokens,
-                timeout_s=recipe.data.reward_timeout_s,
+                scoring=self.scoring,
             )
         )
         return {"eval/accuracy": accuracy}

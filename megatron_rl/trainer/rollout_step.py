@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from megatron_rl.algo import overlong_penalty, zero_variance_groups
-from megatron_rl.rewards import DataConfig, Problem, ProblemSource, Verifier
+from megatron_rl.rewards import Problem, ProblemSource, ScoringPool, Verifier
 from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.collect import Rollouts, collect_rollouts
 from megatron_rl.rollout.config import RolloutConfig
@@ -39,12 +39,13 @@ def rollout_step(
     *,
     rollout: RolloutConfig,
     algo: AlgoConfig,
-    data: DataConfig,
     seed: int,
+    scoring: ScoringPool | None = None,
     return_routed_experts: bool = False,
 ) -> tuple[RolloutBatch | None, dict[str, float]]:
-    """`rollout.group_size` samples of each problem of `step`, scored by `verifier` (each with
-    the engine's routing when `return_routed_experts`); with `rollout.dynamic_sampling` further
+    """`rollout.group_size` samples of each problem of `step` (each with the engine's routing
+    when `return_routed_experts`), scored by `verifier` in the `scoring` pool's worker processes
+    (without one, in this thread with no deadline); with `rollout.dynamic_sampling` further
     rounds of problems until `prompts_per_step` groups carry a gradient. Returns the batch
     (None when nothing is left to train on) and the metrics: the first round's rollout metrics
     (the policy on the step's own problems) and what was kept."""
@@ -62,7 +63,7 @@ def rollout_step(
             round_problems,
             verifier,
             rollout=rollout,
-            data=data,
+            scoring=scoring,
             seed=seed if round_index == 0 else (seed << 8) + round_index,
             return_routed_experts=return_routed_experts,
         )
@@ -152,8 +153,8 @@ def _scored_rollouts(
     verifier: Verifier,
     *,
     rollout: RolloutConfig,
-    data: DataConfig,
     seed: int,
+    scoring: ScoringPool | None,
     return_routed_experts: bool,
 ) -> Rollouts:
     """The samples of `problems` with their rewards, the overlong penalty added."""
@@ -165,7 +166,7 @@ def _scored_rollouts(
         sampling_params(rollout, codec),
         group_size=rollout.group_size,
         seed=seed,
-        reward_timeout_s=data.reward_timeout_s,
+        scoring=scoring,
         return_routed_experts=return_routed_experts,
     )
     if not rollout.overlong_buffer:

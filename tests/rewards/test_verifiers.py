@@ -1,9 +1,7 @@
-"""Final-answer extraction and normalisation, the verifier registry, tolerant batch scoring."""
+"""Final-answer extraction and normalisation, the built-in verifiers, the verifier registry."""
 
 from __future__ import annotations
 
-import math
-import threading
 import time
 
 import pytest
@@ -11,12 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megatron_rl.rewards import (
-    RewardScores,
     extract_final_answer,
     get_verifier,
     normalize_answer,
     register_verifier,
-    score_responses,
     verifier_names,
     verifiers,
 )
@@ -155,14 +151,6 @@ def test_the_math_verifier_refuses_a_reference_it_cannot_read():
         get_verifier("math")("?", "\\boxed{1}", "}{")
 
 
-def test_the_math_verifier_runs_on_scoring_threads():
-    # math-verify's own timeout needs the main thread; score_responses uses worker threads
-    scores = score_responses(
-        get_verifier("math"), ["?"] * 4, ["\\boxed{0.5}"] * 4, ["\\frac{1}{2}"] * 4, timeout_s=30
-    )
-    assert scores.rewards == [1.0] * 4 and scores.failures == 0
-
-
 def test_builtin_verifiers_are_registered_and_sorted():
     names = verifier_names()
     assert {"arithmetic", "math"} <= set(names)
@@ -188,91 +176,3 @@ def test_register_verifier_rejects_a_taken_name():
 def test_unknown_verifier_lists_the_valid_names():
     with pytest.raises(ValueError, match="unknown verifier 'mat'; valid: arithmetic, math"):
         get_verifier("mat")
-
-
-def _echo_reward(prompt: str, response: str, reference: str) -> float:
-    """Scores 1.0 for "ok"; otherwise misbehaves as the response says."""
-    if response == "raise":
-        raise RuntimeError("verifier bug")
-    if response == "nan":
-        return math.nan
-    if response == "inf":
-        return math.inf
-    if response == "text":
-        return "1.0"  # type: ignore[return-value]
-    return 1.0 if response == "ok" else 0.0
-
-
-@pytest.mark.parametrize("timeout_s", [None, 0, 5.0])
-def test_misbehaving_verifiers_score_zero_and_count_as_failures(timeout_s):
-    responses = ["ok", "raise", "ok", "nan", "inf", "text", "wrong"]
-    scores = score_responses(
-        _echo_reward, ["p"] * len(responses), responses, ["r"] * len(responses), timeout_s
-    )
-    assert scores == RewardScores(
-        rewards=[1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], failures=4, timeouts=0
-    )
-
-
-def test_without_a_timeout_verifiers_run_in_the_calling_thread():
-    threads = []
-
-    def record_thread(prompt: str, response: str, reference: str) -> float:
-        threads.append(threading.current_thread())
-        return 0.5
-
-    scores = score_responses(record_thread, ["p", "q"], ["a", "b"], ["r", "s"], None)
-    assert scores.rewards == [0.5, 0.5]
-    assert threads == [threading.current_thread()] * 2
-
-
-@pytest.mark.parametrize("concurrency", [1, 2, 8])
-def test_hung_verifiers_time_out_without_starving_the_others(concurrency):
-    release = threading.Event()
-
-    def hang_on_request(prompt: str, response: str, reference: str) -> float:
-        if response == "hang":
-            release.wait(5.0)
-        return 1.0
-
-    responses = ["hang", "ok", "hang", "ok", "hang", "ok", "ok"]
-    started = time.monotonic()
-    try:
-        scores = score_responses(
-            hang_on_request,
-            ["p"] * len(responses),
-            responses,
-            ["r"] * len(responses),
-            0.2,
-            concurrency=concurrency,
-        )
-        elapsed = time.monotonic() - started
-    finally:
-        release.set()
-    assert scores == RewardScores(
-        rewards=[0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0], failures=0, timeouts=3
-    )
-    # A liveness bound: three 0.2 s timeouts one after another, far below the 5 s hang.
-    assert elapsed < 3.0
-
-
-def test_empty_batch_scores_nothing():
-    assert score_responses(_echo_reward, [], [], [], 1.0) == RewardScores([], 0, 0)
-
-
-def test_length_mismatch_names_the_arguments():
-    with pytest.raises(ValueError, match="prompts=2, responses=1, references=2"):
-        score_responses(_echo_reward, ["p", "q"], ["ok"], ["r", "s"], 1.0)
-
-
-@pytest.mark.parametrize(
-    ("changes", "message"),
-    [
-        ({"timeout_s": math.nan}, "timeout_s: expected seconds"),
-        ({"concurrency": 0}, "concurrency: expected an int >= 1"),
-    ],
-)
-def test_bad_scoring_options_are_named(changes, message):
-    arguments = {"timeout_s": 1.0} | changes
-    with pytest.raises(ValueError, match=message):
-        score_responses(_echo_reward, ["p"], ["ok"], ["r"], **arguments)

@@ -1,16 +1,19 @@
-"""Rollout collection with the shipped tiny model: groups, rewards, failures counted."""
+"""Rollout collection with the shipped tiny model: groups, rewards, failures and timeouts
+counted."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from megatron_rl.rewards import ArithmeticTask, ProblemSource, get_verifier
+from megatron_rl.rewards import ArithmeticTask, ProblemSource, ScoringPool, get_verifier
 from megatron_rl.rollout.codec import PromptCodec
 from megatron_rl.rollout.collect import collect_rollouts
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.local import LocalEngine
+from tests.rewards.misbehaving import misbehave_on_reference
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "moe" / "tiny_qwen3_moe"
 
@@ -33,7 +36,6 @@ def test_rewards_and_metrics(parts):
         params,
         group_size=3,
         seed=1,
-        reward_timeout_s=5.0,
     )
     assert len(rollouts.samples) == 12 and rollouts.rewards.shape == (12,)
     for index, sample in enumerate(rollouts.samples):
@@ -53,11 +55,34 @@ def test_a_failing_verifier_costs_rewards_not_the_step(parts):
             raise RuntimeError("verifier bug")
         return 1.0
 
-    rollouts = collect_rollouts(
-        engine, codec, problems, flaky, params, group_size=2, seed=0, reward_timeout_s=5.0
-    )
+    rollouts = collect_rollouts(engine, codec, problems, flaky, params, group_size=2, seed=0)
     assert rollouts.rewards.tolist() == [0.0, 0.0, 1.0, 1.0]
     assert rollouts.metrics["reward/failures"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_rewards_past_the_deadline_are_counted_as_timeouts(parts):
+    engine, codec, params = parts
+    hung, ok = (
+        dataclasses.replace(problem, reference=reference)
+        for problem, reference in zip(
+            ArithmeticTask().problems("eval", 2, seed=0), ["sleep", "ok"], strict=True
+        )
+    )
+    with ScoringPool(workers=2, timeout_s=1.0, memory_limit_mb=2048) as pool:
+        rollouts = collect_rollouts(
+            engine,
+            codec,
+            [hung, ok],
+            misbehave_on_reference,
+            params,
+            group_size=2,
+            seed=0,
+            scoring=pool,
+        )
+    assert rollouts.rewards.tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert rollouts.metrics["reward/timeouts"] == 2
+    assert rollouts.metrics["reward/failures"] == 0
 
 
 def test_prompts_longer_than_the_context_are_refused():

@@ -56,7 +56,6 @@ def _step(parts, recipe: Recipe, step: int = 1, verifier=ARITHMETIC):
         verifier,
         rollout=recipe.rollout,
         algo=recipe.algo,
-        data=recipe.data,
         seed=11 + step,
     )
 

@@ -1,0 +1,314 @@
+"""Worker processes that run verifiers under a deadline, a memory limit and a CPU-time limit.
+
+A generated answer can make a verifier compute for hours: sympy evaluates `9^{9^{9^{9}}}`
+exactly, in C code that holds the GIL, so that a thread can neither stop it nor let the
+trainer's other threads run meanwhile. A process can be stopped. Each worker scores one sample
+at a time; the pool waits on the workers' pipes, which releases the GIL; a worker that overruns
+its sample's deadline is killed (SIGKILL, by PID) and replaced, and the sample scores 0.0 as a
+timeout. A worker that dies otherwise (its memory limit, a crash) is replaced too, and its
+sample scores 0.0 as a failure.
+
+The workers are started once, with 'spawn' (a fork would copy the locks of the trainer's
+threads, and torch's state, into a process that has none of those threads), and serve batch
+after batch: starting one and importing sympy takes a second or more. Each sets its own limits
+once started: its address space may grow by `memory_limit_mb` (RLIMIT_AS: an allocation past it
+raises MemoryError, on which the worker exits and is replaced, its heap possibly left full), and
+each sample may use twice the deadline plus CPU_GRACE_S of CPU time (RLIMIT_CPU). The pool's
+kill at the deadline comes first; the CPU limit is the backstop that ends a worker computing for
+a pool that is gone or stuck. An idle worker whose pool is gone reads the end of its pipe and
+exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import os
+import pickle
+import resource
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import SpawnContext
+from pathlib import Path
+from types import TracebackType
+from typing import NamedTuple
+
+from megatron_rl.rewards.scoring import RewardScores, checked_reward
+from megatron_rl.rewards.verifiers import Verifier
+
+CPU_GRACE_S = 5
+"""CPU seconds a sample may use beyond twice its deadline before its worker's RLIMIT_CPU ends
+it."""
+START_TIMEOUT_S = 60.0
+"""How long a worker may take to start (a fresh interpreter importing this package) before the
+pool gives up on it and raises."""
+
+_READY = "ready"  # what a worker sends once it has started and set its limits
+
+
+class _Request(NamedTuple):
+    """One sample for a worker to score."""
+
+    verifier: bytes  # pickled: a reference to a module-level function
+    sample: tuple[str, str, str]  # (prompt, response, reference)
+    cpu_limit_s: int
+
+
+class _UnloadableVerifier(NamedTuple):
+    """A worker's answer to a request whose verifier it cannot unpickle."""
+
+    error: str
+
+
+class ScoringPool:
+    """`workers` scoring processes, started now; each verifier call gets `timeout_s` seconds
+    from its start and `memory_limit_mb` of memory. Scores one batch at a time (`score`; a
+    second caller waits); `close` (or leaving the `with` block) stops the workers.
+
+    Raises:
+        ValueError: `workers` or `memory_limit_mb` is not a positive int, or `timeout_s` not a
+            positive finite number.
+    """
+
+    def __init__(self, *, workers: int, timeout_s: float, memory_limit_mb: int) -> None:
+        for name, value in (("workers", workers), ("memory_limit_mb", memory_limit_mb)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+            raise ValueError(f"timeout_s: expected seconds > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self._memory_limit_bytes = memory_limit_mb * 2**20
+        self._cpu_limit_s = math.ceil(2 * self.timeout_s) + CPU_GRACE_S
+        self._context = multiprocessing.get_context("spawn")
+        self._lock = threading.Lock()
+        self._closed = False
+        self._workers = [self._start_worker() for _ in range(workers)]
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' PIDs; a worker killed or dead is replaced by one with a new PID."""
+        return [worker.process.pid for worker in self._workers]
+
+    def score(self, verifier: Verifier, samples: Sequence[tuple[str, str, str]]) -> RewardScores:
+        """The rewards of `samples`, each `(prompt, response, reference)`, scored by `verifier`
+        in the workers, in parallel; see `score_responses`.
+
+        Raises:
+            ValueError: `verifier` cannot be sent to a worker (it is not a module-level function
+                the worker can import).
+            RuntimeError: the pool is closed, or a worker failed to start.
+        """
+        name, pickled = _pickled(verifier)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the scoring pool is closed")
+            batch = _Batch(samples, name, pickled)
+            try:
+                while batch.waiting or any(w.sample is not None for w in self._workers):
+                    self._hand_out(batch)
+                    self._wait_for_news()
+                    self._take_news(batch)
+            finally:
+                # A worker still scoring (this call was interrupted) would answer the next
+                # batch's request with this one's reward.
+                for slot, worker in enumerate(self._workers):
+                    if worker.sample is not None:
+                        self._replace(slot)
+        return RewardScores.of(batch.outcomes, batch.timeouts)
+
+    def close(self) -> None:
+        """Kill the workers (SIGKILL, by PID) and reap them; later calls do nothing."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                for worker in self._workers:
+                    worker.stop()
+
+    def __enter__(self) -> ScoringPool:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _start_worker(self) -> _Worker:
+        return _Worker(self._context, self._memory_limit_bytes)
+
+    def _replace(self, slot: int) -> None:
+        self._workers[slot].stop()
+        self._workers[slot] = self._start_worker()
+
+    def _hand_out(self, batch: _Batch) -> None:
+        """Send a waiting sample to each worker that is ready and idle."""
+        for slot, worker in enumerate(self._workers):
+            if not batch.waiting:
+                return
+            if not worker.ready or worker.sample is not None:
+                continue
+            index = batch.waiting.popleft()
+            request = _Request(batch.verifier, tuple(batch.samples[index]), self._cpu_limit_s)
+            try:
+                worker.connection.send(request)
+            except OSError:  # it died while idle: the sample goes to its replacement
+                batch.waiting.appendleft(index)
+                self._replace(slot)
+                continue
+            worker.sample, worker.deadline = index, time.monotonic() + self.timeout_s
+
+    def _wait_for_news(self) -> None:
+        """Block (the GIL released) until a worker answers, is ready or dies, or a deadline
+        passes."""
+        busy = [w for w in self._workers if w.sample is not None or not w.ready]
+        if busy:
+            due = min(w.deadline if w.ready else w.started + START_TIMEOUT_S for w in busy)
+            waited = [w.connection for w in busy] + [w.process.sentinel for w in busy]
+            wait(waited, timeout=max(0.0, due - time.monotonic()))
+
+    def _take_news(self, batch: _Batch) -> None:
+        """Record what the workers answered; replace those that died or ran out of time."""
+        now = time.monotonic()
+        for slot, worker in enumerate(self._workers):
+            if not worker.ready:
+                worker.check_started(now)
+            elif worker.sample is None:
+                continue
+            elif worker.connection.poll():
+                try:
+                    answer = worker.connection.recv()
+                except (EOFError, OSError):  # it died: the sample failed
+                    self._replace(slot)
+                    continue
+                index, worker.sample = worker.sample, None
+                if isinstance(answer, _UnloadableVerifier):
+                    raise ValueError(_unsendable(batch.verifier_name, answer.error))
+                batch.outcomes[index] = answer
+            elif not worker.process.is_alive():  # dead, its pipe held open by a forked copy
+                self._replace(slot)
+            elif now >= worker.deadline:
+                batch.timeouts += 1
+                self._replace(slot)
+
+
+class _Batch:
+    """One `score` call's samples, which of them wait for a worker, and what came back."""
+
+    def __init__(
+        self, samples: Sequence[tuple[str, str, str]], verifier_name: str, verifier: bytes
+    ) -> None:
+        self.samples = samples
+        self.verifier_name, self.verifier = verifier_name, verifier
+        self.waiting = deque(range(len(samples)))
+        self.outcomes: list[float | None] = [None] * len(samples)  # None: failed or timed out
+        self.timeouts = 0
+
+
+class _Worker:
+    """One worker process, the pool's end of its pipe, and the sample it is scoring."""
+
+    def __init__(self, context: SpawnContext, memory_limit: int) -> None:
+        self.connection, worker_end = context.Pipe()
+        self.process = context.Process(
+            target=_serve, args=(worker_end, memory_limit), name="reward-scorer", daemon=True
+        )
+        self.process.start()
+        # Only the worker holds its end now: the pool reads the pipe's end when it dies.
+        worker_end.close()
+        self.started = time.monotonic()
+        self.ready = False
+        self.sample: int | None = None  # the index in its batch of the sample it is scoring
+        self.deadline = math.inf
+
+    def check_started(self, now: float) -> None:
+        """Mark the worker ready if it said so; raise if it died or took too long starting."""
+        if self.connection.poll():
+            with contextlib.suppress(EOFError, OSError):
+                self.ready = self.connection.recv() == _READY
+        elif self.process.is_alive() and now < self.started + START_TIMEOUT_S:
+            return
+        if not self.ready:
+            self.process.kill()
+            self.process.join()
+            raise RuntimeError(
+                f"a scoring worker (PID {self.process.pid}) did not start: exit code "
+                f"{self.process.exitcode} after {now - self.started:.1f} s"
+            )
+
+    def stop(self) -> None:
+        """Kill the process (SIGKILL, by PID), reap it, and close its pipe and sentinel."""
+        self.process.kill()
+        self.process.join()
+        self.process.close()
+        self.connection.close()
+
+
+def _pickled(verifier: Verifier) -> tuple[str, bytes]:
+    """`verifier`'s name, and the verifier pickled as the workers receive it: by reference."""
+    name = getattr(verifier, "__qualname__", repr(verifier))
+    try:
+        return name, pickle.dumps(verifier)
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise ValueError(_unsendable(name, f"{type(error).__name__}: {error}")) from error
+
+
+def _unsendable(name: str, error: str) -> str:
+    return (
+        f"verifier {name}: cannot be sent to a scoring worker process ({error}); a verifier "
+        "scored in worker processes must be a module-level function that they can import"
+    )
+
+
+def _serve(connection: Connection, memory_limit: int) -> None:
+    """A worker's life: set its limits, say it is ready, then score request after request
+    until the pool kills it or goes away."""
+    # Ctrl-C in a terminal reaches the whole process group: the pool's owner decides. The
+    # launcher may have started the trainer ignoring SIGTERM or SIGXCPU (stop signals left to
+    # it); a worker takes their default action (the CPU limit needs SIGXCPU's).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGTERM, signal.SIGXCPU):
+        signal.signal(signum, signal.SIG_DFL)
+    _set_soft_limit(resource.RLIMIT_CORE, 0)  # a worker ended by its CPU limit dumps no core
+    _set_soft_limit(resource.RLIMIT_AS, _address_space_bytes() + memory_limit)
+    loaded: tuple[bytes, Verifier] | None = None
+    with contextlib.suppress(EOFError, BrokenPipeError):  # the pool is gone
+        connection.send(_READY)
+        while True:
+            request: _Request = connection.recv()
+            if loaded is None or loaded[0] != request.verifier:
+                try:
+                    loaded = (request.verifier, pickle.loads(request.verifier))
+                except Exception as error:
+                    connection.send(_UnloadableVerifier(f"{type(error).__name__}: {error}"))
+                    continue
+            _set_soft_limit(resource.RLIMIT_CPU, _cpu_seconds_used() + request.cpu_limit_s)
+            try:
+                outcome = checked_reward(loaded[1], *request.sample)
+            except MemoryError:
+                return  # no answer: the pool counts a failure and starts a fresh worker
+            except Exception:
+                outcome = None  # a verifier bug or a malformed response costs one sample
+            connection.send(outcome)
+
+
+def _set_soft_limit(kind: int, value: int) -> None:
+    """Set resource `kind`'s soft limit to `value`, or to the hard limit if that is lower."""
+    _, hard = resource.getrlimit(kind)
+    resource.setrlimit(kind, (value if hard == resource.RLIM_INFINITY else min(value, hard), hard))
+
+
+def _address_space_bytes() -> int:
+    """This process's address space now (Linux: its size in pages, in /proc/self/statm)."""
+    return int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cpu_seconds_used() -> int:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return math.ceil(usage.ru_utime + usage.ru_stime)
