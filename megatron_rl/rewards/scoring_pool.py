@@ -41,6 +41,9 @@ from typing import NamedTuple
 from megatron_rl.rewards.scoring import RewardScores, checked_reward
 from megatron_rl.rewards.verifiers import Verifier
 
+# Signals a terminal or a launcher sends the trainer's whole process group to interrupt it or
+# have it save and stop: the trainer's to answer, not its scoring workers'.
+OWNERS_SIGNALS = frozenset({signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2})
 CPU_GRACE_S = 5
 """CPU seconds a sample may use beyond twice its deadline before its worker's RLIMIT_CPU ends
 it."""
@@ -219,7 +222,14 @@ class _Worker:
         self.process = context.Process(
             target=_serve, args=(worker_end, memory_limit), name="reward-scorer", daemon=True
         )
-        self.process.start()
+        # The worker starts with the requests to stop or save blocked (the mask survives the
+        # exec), so that one sent to the trainer's whole process group while the worker imports
+        # cannot end it before `_serve` ignores them.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, OWNERS_SIGNALS)
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         # Only the worker holds its end now: the pool reads the pipe's end when it dies.
         worker_end.close()
         self.started = time.monotonic()
@@ -269,10 +279,14 @@ def _unsendable(name: str, error: str) -> str:
 def _serve(connection: Connection, memory_limit: int) -> None:
     """A worker's life: set its limits, say it is ready, then score request after request
     until the pool kills it or goes away."""
-    # Ctrl-C in a terminal reaches the whole process group: the pool's owner decides. The
-    # launcher may have started the trainer ignoring SIGTERM or SIGXCPU (stop signals left to
-    # it); a worker takes their default action (the CPU limit needs SIGXCPU's).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C in a terminal, and a launcher's request to save (SIGUSR1 from SLURM, ...), reach
+    # the whole process group: the pool's owner decides (ignored here, they are dropped if they
+    # came while blocked at the start). The launcher may have started the trainer ignoring
+    # SIGTERM or SIGXCPU (stop signals left to it); a worker takes their default action (the CPU
+    # limit needs SIGXCPU's).
+    for signum in OWNERS_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, OWNERS_SIGNALS)
     for signum in (signal.SIGTERM, signal.SIGXCPU):
         signal.signal(signum, signal.SIG_DFL)
     _set_soft_limit(resource.RLIMIT_CORE, 0)  # a worker ended by its CPU limit dumps no core

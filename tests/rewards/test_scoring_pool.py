@@ -3,6 +3,8 @@ limited in memory, while the process that owns the pool keeps running."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -129,6 +131,21 @@ def test_a_worker_over_its_memory_limit_fails_its_sample_and_is_replaced():
         assert (scores.failures, scores.timeouts) == (1, 0)
         assert replacement != first and not is_running(first)
         assert pool.pids == [replacement]
+
+
+@pytest.mark.timeout(60)
+def test_a_request_to_save_sent_to_the_trainers_group_leaves_the_workers_alone():
+    """SLURM's SIGUSR1 (or Ctrl-C) reaches the trainer's whole process group; it is the
+    trainer's to answer. Sent at once, while the workers are still starting, and again once
+    they run, it ends none of them."""
+    with ScoringPool(workers=2, timeout_s=10.0, memory_limit_mb=1024) as pool:
+        pids = pool.pids
+        for signum in (signal.SIGUSR1, signal.SIGINT, signal.SIGUSR1):
+            for pid in pids:
+                os.kill(pid, signum)
+            scores = score_responses(misbehave, ["?"] * 2, ["ok"] * 2, ["1"] * 2, pool)
+            assert scores == RewardScores(rewards=[1.0, 1.0], failures=0, timeouts=0)
+        assert pool.pids == pids
 
 
 @pytest.mark.timeout(60)
