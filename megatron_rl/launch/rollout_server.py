@@ -58,7 +58,8 @@ def route_argv(
     recipe: Recipe, host: str, port: int, urls: list[str]
 ) -> tuple[list[str], dict[str, str]]:
     """The sglang-router's command line and environment: on `host`:`port`, round-robin over
-    `urls`. It imports SGLang: it runs in the servers' interpreter and environment."""
+    `urls`, its Prometheus metrics on 127.0.0.1:`port` + 1. It imports SGLang: it runs in the
+    servers' interpreter and environment."""
     config = recipe.rollout.sglang
     argv = [
         config.python or sys.executable,
@@ -72,6 +73,11 @@ def route_argv(
         # The trainer sends it a request per sample, all at once; round-robin spreads them evenly.
         "--policy",
         "round_robin",
+        # Its metrics exporter answers anyone (0.0.0.0:29000 unless told): this node only.
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(port + 1),
         "--worker-urls",
         *urls,
     ]

@@ -125,6 +125,12 @@ def test_the_router_listens_on_its_nodes_address_with_the_runs_key(tmp_path):
     key = str(tmp_path / "sglang_api_key")
     assert argv[1:4] == [str(KEYED_LAUNCHER), key, "sglang_router.launch_router"]
     assert argv[argv.index("--host") + 1] == "10.1.2.4"
+    # its unauthenticated metrics exporter on this node only
+    assert argv[argv.index("--prometheus-host") + 1 :][:3] == [
+        "127.0.0.1",
+        "--prometheus-port",
+        "29901",
+    ]
     assert argv[argv.index("--worker-urls") + 1 :] == ["http://a:1", "http://b:2"]
     # the recipe's environment reaches the router as its environment, not on its command line
     assert env["HF_TOKEN"] == "hf_x" and "hf_x" not in " ".join(argv)
