@@ -207,16 +207,22 @@ def _check_rollout_node_logs(
     trainers, rollout = cluster.network.hostnames[:2], cluster.network.hostnames[2]
     server_logs = sorted((run_dir / "slurm").glob(f"*-{job_id}-rollout-{rollout}-*.out"))
     assert len(server_logs) == per_node
+    key = (run_dir / "sglang_api_key").read_text().strip()  # the run's, in no log
+    assert all(key not in path.read_text() for path in (run_dir / "slurm").iterdir())
     for server_log in server_logs:
         text = server_log.read_text()
+        # on the rollout node's address, not every interface, with the run's key
+        assert f"--host {cluster.network.node_addresses[2]} " in text and "0.0.0.0" not in text
+        assert "'api_key': '[redacted]'" in text
         # each server took each step's weights the way asked (SGLang logs the endpoints served)
         assert f"update_weights_from_{weight_sync}" in text
         # and sampled: behind the router too, each server takes a share of every step
         assert "POST /generate" in text, text[-3000:]
     routers = list((run_dir / "slurm").glob(f"router-{job_id}.out"))
     assert len(routers) == (per_node > 1), routers
-    if routers:  # the trainer sampled through it
+    if routers:  # the trainer sampled through it, on the batch node's address
         assert "/generate" in routers[0].read_text()
+        assert f"--host {cluster.network.node_addresses[0]} " in routers[0].read_text()
     logs = _job_logs(run_dir)
     assert all(host in logs for host in trainers), logs[-3000:]
 
