@@ -28,7 +28,7 @@ import sys
 import time
 
 from megatron_rl.config import load_config
-from megatron_rl.redaction import redacted_argv
+from megatron_rl.process.redaction import redacted_argv
 from megatron_rl.rollout.sglang.api_key import run_key
 from megatron_rl.rollout.sglang.http import IDENTITY_PATH, ROUTER_IDENTITY_PATH, ServerConnection
 from megatron_rl.rollout.sglang.network import listen_address

@@ -26,7 +26,7 @@ from typing import IO, Any, Literal, Protocol
 from tqdm import tqdm
 
 from megatron_rl.files.atomic import write_bytes_atomic
-from megatron_rl.redaction import redacted_config
+from megatron_rl.process.redaction import redacted_config
 
 WandbMode = Literal["auto", "online", "offline", "disabled"]
 

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from megatron_rl.process import children
+from megatron_rl.process.redaction import redacted_argv
 from megatron_rl.process.supervise import supervised_command
-from megatron_rl.redaction import redacted_argv
 from megatron_rl.rollout.sglang.api_key import ApiKey
 from megatron_rl.rollout.sglang.config import SGLangConfig
 from megatron_rl.rollout.sglang.http import (

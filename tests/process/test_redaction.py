@@ -7,7 +7,7 @@ from dataclasses import asdict
 import pytest
 
 from megatron_rl.config import load_config
-from megatron_rl.redaction import (
+from megatron_rl.process.redaction import (
     REDACTED,
     is_secret_name,
     redacted_argv,
