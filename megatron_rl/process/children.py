@@ -102,8 +102,16 @@ def end_with_parent() -> None:
     a rename, and an interrupted one is cleared on resume."""
     parent = os.getppid()
     die_with_parent(parent)
+    exit_when_orphaned(parent)
+
+
+def exit_when_orphaned(parent_pid: int) -> None:
+    """Start a thread that kills what this process started, then the process itself, once its
+    parent `parent_pid` is gone (polled every PARENT_POLL_S; it runs whenever the main thread
+    releases the GIL). Unlike the parent-death signal it does not depend on which of the
+    parent's threads started this process."""
     threading.Thread(
-        target=_exit_when_orphaned, args=(parent,), name="parent-watch", daemon=True
+        target=_exit_when_orphaned, args=(parent_pid,), name="parent-watch", daemon=True
     ).start()
 
 

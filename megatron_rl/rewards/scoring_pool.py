@@ -15,8 +15,9 @@ once started: its address space may grow by `memory_limit_mb` (RLIMIT_AS: an all
 raises MemoryError, on which the worker exits and is replaced, its heap possibly left full), and
 each sample may use twice the deadline plus CPU_GRACE_S of CPU time (RLIMIT_CPU). The pool's
 kill at the deadline comes first; the CPU limit is the backstop that ends a worker computing for
-a pool that is gone or stuck. An idle worker whose pool is gone reads the end of its pipe and
-exits.
+a pool that is gone or stuck. A worker whose trainer process is gone (killed, even by SIGKILL)
+exits within PARENT_POLL_S (process/children.py) unless it holds the GIL computing, which its CPU
+limit ends.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import NamedTuple
 
+from megatron_rl.process.children import exit_when_orphaned
 from megatron_rl.rewards.scoring import RewardScores, checked_reward
 from megatron_rl.rewards.verifiers import Verifier
 
@@ -220,7 +222,10 @@ class _Worker:
     def __init__(self, context: SpawnContext, memory_limit: int) -> None:
         self.connection, worker_end = context.Pipe()
         self.process = context.Process(
-            target=_serve, args=(worker_end, memory_limit), name="reward-scorer", daemon=True
+            target=_serve,
+            args=(worker_end, memory_limit, os.getpid()),
+            name="reward-scorer",
+            daemon=True,
         )
         # The worker starts with the requests to stop or save blocked (the mask survives the
         # exec), so that one sent to the trainer's whole process group while the worker imports
@@ -276,9 +281,12 @@ def _unsendable(name: str, error: str) -> str:
     )
 
 
-def _serve(connection: Connection, memory_limit: int) -> None:
+def _serve(connection: Connection, memory_limit: int, trainer_pid: int) -> None:
     """A worker's life: set its limits, say it is ready, then score request after request
     until the pool kills it or goes away."""
+    # The end of its pipe only reaches a worker once every process holding the pool's end has
+    # closed it, and processes forked from the trainer (checkpoint writers) hold it too.
+    exit_when_orphaned(trainer_pid)
     # Ctrl-C in a terminal, and a launcher's request to save (SIGUSR1 from SLURM, ...), reach
     # the whole process group: the pool's owner decides (ignored here, they are dropped if they
     # came while blocked at the start). The launcher may have started the trainer ignoring

@@ -3,10 +3,14 @@ limited in memory, while the process that owns the pool keeps running."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +19,7 @@ from tests.processes import is_running, still_running
 from tests.rewards.conftest import DEADLINE_S
 from tests.rewards.misbehaving import ALLOCATED_MB, HANG_S, math_verify_unscreened, misbehave
 
+REPO = Path(__file__).resolve().parents[2]
 # The issue's answers: sympy had not returned after 8 s, still ran after 6 s, took 4.9 s.
 RUNAWAY_ANSWERS = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{10^{10^{10}}}", "\\boxed{(10^{6})!}"]
 # Slack for a worker's replacement and the scheduling of a busy 2-core machine: far below what
@@ -146,6 +151,28 @@ def test_a_request_to_save_sent_to_the_trainers_group_leaves_the_workers_alone()
             scores = score_responses(misbehave, ["?"] * 2, ["ok"] * 2, ["1"] * 2, pool)
             assert scores == RewardScores(rewards=[1.0, 1.0], failures=0, timeouts=0)
         assert pool.pids == pids
+
+
+@pytest.mark.timeout(60)
+def test_the_workers_end_when_their_trainer_is_killed_though_a_fork_holds_their_pipes():
+    """A trainer killed with SIGKILL leaves no worker behind, even while a process it forked
+    (a checkpoint writer) still holds the pool's ends of the workers' pipes."""
+    owner = subprocess.Popen(
+        [sys.executable, "-m", "tests.rewards.pool_owner"], cwd=REPO, stdout=subprocess.PIPE
+    )
+    workers, forked = [], None
+    try:
+        *workers, forked = (int(pid) for pid in owner.stdout.readline().split())
+        assert len(workers) == 2 and all(is_running(pid) for pid in workers)
+        owner.kill()
+        owner.wait()
+        assert is_running(forked)
+        assert still_running(workers, timeout_s=5.0) == []
+    finally:
+        for pid in [owner.pid, *workers, *([forked] if forked else [])]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        owner.wait()
 
 
 @pytest.mark.timeout(60)
