@@ -33,6 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import SpawnContext
 from pathlib import Path
@@ -229,7 +230,9 @@ class _Worker:
         )
         # The worker starts with the requests to stop or save blocked (the mask survives the
         # exec), so that one sent to the trainer's whole process group while the worker imports
-        # cannot end it before `_serve` ignores them.
+        # cannot end it before `_serve` ignores them. multiprocessing starts its resource
+        # tracker with the first spawn, and then unblocks SIGINT and SIGTERM: it starts first.
+        resource_tracker.ensure_running()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, OWNERS_SIGNALS)
         try:
             self.process.start()

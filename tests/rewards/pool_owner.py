@@ -1,21 +1,26 @@
-"""A trainer stand-in for the scoring pool's tests: it opens a pool of 2 workers, scores once (so
-they run), forks a child that holds the pool's pipes and sleeps (as a checkpoint writer does),
-prints `WORKER_PID WORKER_PID FORKED_PID` and sleeps until it is killed.
+"""A trainer stand-in for the scoring pool's tests, a fresh process: it opens a pool of 2 workers
+and
 
-    python -m tests.rewards.pool_owner
+    python -m tests.rewards.pool_owner orphan     scores once (so they run), forks a child that
+        holds the pool's pipes and sleeps (as a checkpoint writer does), prints `WORKER_PID
+        WORKER_PID FORKED_PID` and sleeps until it is killed;
+    python -m tests.rewards.pool_owner signalled  sends each worker SIGINT and SIGUSR1 at once
+        (its first spawn, too, starts multiprocessing's resource tracker), scores, and prints
+        the scores and whether the workers are those it started.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
 
 from megatron_rl.rewards import ScoringPool, score_responses
 from tests.rewards.misbehaving import misbehave
 
 
-def main() -> None:
-    pool = ScoringPool(workers=2, timeout_s=10.0, memory_limit_mb=1024)
+def orphan(pool: ScoringPool) -> None:
     score_responses(misbehave, ["?"] * 2, ["ok"] * 2, ["1"] * 2, pool)
     forked = os.fork()
     if forked == 0:
@@ -25,5 +30,15 @@ def main() -> None:
     time.sleep(120.0)
 
 
+def signalled(pool: ScoringPool) -> None:
+    started = pool.pids
+    for pid in started:
+        for signum in (signal.SIGINT, signal.SIGUSR1):
+            os.kill(pid, signum)
+    scores = score_responses(misbehave, ["?"] * 2, ["ok"] * 2, ["1"] * 2, pool)
+    print(scores, pool.pids == started, flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    with ScoringPool(workers=2, timeout_s=10.0, memory_limit_mb=1024) as owned:
+        {"orphan": orphan, "signalled": signalled}[sys.argv[1]](owned)

@@ -158,7 +158,9 @@ def test_the_workers_end_when_their_trainer_is_killed_though_a_fork_holds_their_
     """A trainer killed with SIGKILL leaves no worker behind, even while a process it forked
     (a checkpoint writer) still holds the pool's ends of the workers' pipes."""
     owner = subprocess.Popen(
-        [sys.executable, "-m", "tests.rewards.pool_owner"], cwd=REPO, stdout=subprocess.PIPE
+        [sys.executable, "-m", "tests.rewards.pool_owner", "orphan"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
     )
     workers, forked = [], None
     try:
@@ -173,6 +175,24 @@ def test_the_workers_end_when_their_trainer_is_killed_though_a_fork_holds_their_
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         owner.wait()
+
+
+@pytest.mark.timeout(60)
+def test_the_first_pool_of_a_process_starts_its_workers_ignoring_the_owners_signals():
+    """In a fresh process the first worker's spawn also starts multiprocessing's resource
+    tracker, which unblocks SIGINT and SIGTERM: a Ctrl-C to the trainer's group during the
+    first worker's imports ended it ("Exception ignored ... KeyboardInterrupt" in CI)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.rewards.pool_owner", "signalled"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "KeyboardInterrupt" not in result.stderr, result.stderr[-3000:]
+    expected = RewardScores(rewards=[1.0, 1.0], failures=0, timeouts=0)
+    assert result.stdout.split("\n")[0] == f"{expected} True"
 
 
 @pytest.mark.timeout(60)
