@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import signal
 import time
@@ -45,7 +46,9 @@ def _worker(target: Callable[..., Any], launch: LaunchEnv, results: Any, args: t
     # each on 2 cores wait for each other's threads.
     torch.set_num_threads(1)
     try:
-        results.put((launch.rank, "ok", target(launch, *args)))
+        # Pickled here, by value: a tensor put on the queue as it is goes by a file descriptor
+        # that the parent fetches from this process, which may have exited by then (EOFError).
+        results.put((launch.rank, "ok", pickle.dumps(target(launch, *args))))
     except BaseException:
         results.put((launch.rank, "error", traceback.format_exc()))
     finally:
@@ -104,7 +107,7 @@ def run_on_ranks(
                 continue
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{payload}")
-            collected[rank] = payload
+            collected[rank] = pickle.loads(payload)  # from the ranks this test started
     finally:
         for process in processes:
             process.join(timeout=10 if len(collected) == world_size else 0.1)
