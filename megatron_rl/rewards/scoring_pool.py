@@ -8,9 +8,11 @@ its sample's deadline is killed (SIGKILL, by PID) and replaced, and the sample s
 timeout. A worker that dies otherwise (its memory limit, a crash) is replaced too, and its
 sample scores 0.0 as a failure.
 
-The workers are started once, with 'spawn' (a fork would copy the locks of the trainer's
-threads, and torch's state, into a process that has none of those threads), and serve batch
-after batch: starting one and importing sympy takes a second or more. Each sets its own limits
+The workers are fresh interpreters (scoring_worker.py), started once, that serve batch after
+batch: a fork would copy the locks of the trainer's threads, and torch's state, into a process
+that has none of those threads, and multiprocessing's 'spawn' would import the trainer's main
+module again in each (seconds of torch and megatron-core for a script that imports them); a
+worker imports this package and sympy, a second or so. Each sets its own limits
 once started: its address space may grow by `memory_limit_mb` (RLIMIT_AS: an allocation past it
 raises MemoryError, on which the worker exits and is replaced, its heap possibly left full), and
 each sample may use twice the deadline plus CPU_GRACE_S of CPU time (RLIMIT_CPU). The pool's
@@ -24,51 +26,35 @@ from __future__ import annotations
 
 import contextlib
 import math
-import multiprocessing
 import os
 import pickle
-import resource
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
-from multiprocessing.context import SpawnContext
-from pathlib import Path
 from types import TracebackType
-from typing import NamedTuple
 
-from megatron_rl.process.children import exit_when_orphaned
-from megatron_rl.rewards.scoring import RewardScores, checked_reward
+from megatron_rl.rewards.scoring import RewardScores
+from megatron_rl.rewards.scoring_worker import (
+    OWNERS_SIGNALS,
+    READY,
+    WORKER_CODE,
+    Request,
+    UnloadableVerifier,
+)
 from megatron_rl.rewards.verifiers import Verifier
 
-# Signals a terminal or a launcher sends the trainer's whole process group to interrupt it or
-# have it save and stop: the trainer's to answer, not its scoring workers'.
-OWNERS_SIGNALS = frozenset({signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2})
 CPU_GRACE_S = 5
 """CPU seconds a sample may use beyond twice its deadline before its worker's RLIMIT_CPU ends
 it."""
 START_TIMEOUT_S = 60.0
 """How long a worker may take to start (a fresh interpreter importing this package) before the
 pool gives up on it and raises."""
-
-_READY = "ready"  # what a worker sends once it has started and set its limits
-
-
-class _Request(NamedTuple):
-    """One sample for a worker to score."""
-
-    verifier: bytes  # pickled: a reference to a module-level function
-    sample: tuple[str, str, str]  # (prompt, response, reference)
-    cpu_limit_s: int
-
-
-class _UnloadableVerifier(NamedTuple):
-    """A worker's answer to a request whose verifier it cannot unpickle."""
-
-    error: str
 
 
 class ScoringPool:
@@ -90,7 +76,6 @@ class ScoringPool:
         self.timeout_s = float(timeout_s)
         self._memory_limit_bytes = memory_limit_mb * 2**20
         self._cpu_limit_s = math.ceil(2 * self.timeout_s) + CPU_GRACE_S
-        self._context = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._closed = False
         self._workers = [self._start_worker() for _ in range(workers)]
@@ -147,7 +132,7 @@ class ScoringPool:
         self.close()
 
     def _start_worker(self) -> _Worker:
-        return _Worker(self._context, self._memory_limit_bytes)
+        return _Worker(self._memory_limit_bytes)
 
     def _replace(self, slot: int) -> None:
         self._workers[slot].stop()
@@ -161,7 +146,7 @@ class ScoringPool:
             if not worker.ready or worker.sample is not None:
                 continue
             index = batch.waiting.popleft()
-            request = _Request(batch.verifier, tuple(batch.samples[index]), self._cpu_limit_s)
+            request = Request(batch.verifier, tuple(batch.samples[index]), self._cpu_limit_s)
             try:
                 worker.connection.send(request)
             except OSError:  # it died while idle: the sample goes to its replacement
@@ -176,7 +161,7 @@ class ScoringPool:
         busy = [w for w in self._workers if w.sample is not None or not w.ready]
         if busy:
             due = min(w.deadline if w.ready else w.started + START_TIMEOUT_S for w in busy)
-            waited = [w.connection for w in busy] + [w.process.sentinel for w in busy]
+            waited = [w.connection for w in busy] + [w.sentinel for w in busy]
             wait(waited, timeout=max(0.0, due - time.monotonic()))
 
     def _take_news(self, batch: _Batch) -> None:
@@ -194,10 +179,10 @@ class ScoringPool:
                     self._replace(slot)
                     continue
                 index, worker.sample = worker.sample, None
-                if isinstance(answer, _UnloadableVerifier):
+                if isinstance(answer, UnloadableVerifier):
                     raise ValueError(_unsendable(batch.verifier_name, answer.error))
                 batch.outcomes[index] = answer
-            elif not worker.process.is_alive():  # dead, its pipe held open by a forked copy
+            elif worker.process.poll() is not None:  # dead, its pipe held open by a forked copy
                 self._replace(slot)
             elif now >= worker.deadline:
                 batch.timeouts += 1
@@ -218,28 +203,33 @@ class _Batch:
 
 
 class _Worker:
-    """One worker process, the pool's end of its pipe, and the sample it is scoring."""
+    """One worker process, the pool's end of its socket, a descriptor that becomes readable when
+    the process ends (Linux's pidfd), and the sample it is scoring."""
 
-    def __init__(self, context: SpawnContext, memory_limit: int) -> None:
-        self.connection, worker_end = context.Pipe()
-        self.process = context.Process(
-            target=_serve,
-            args=(worker_end, memory_limit, os.getpid()),
-            name="reward-scorer",
-            daemon=True,
-        )
+    def __init__(self, memory_limit: int) -> None:
+        ours, theirs = socket.socketpair()
+        self.connection = Connection(ours.detach())
+        worker_end = theirs.detach()
+        command = [sys.executable, "-c", WORKER_CODE, str(worker_end), str(memory_limit)]
+        # The worker imports the verifiers' modules from where this process imports them.
+        paths = os.pathsep.join(path or os.getcwd() for path in sys.path)
         # The worker starts with the requests to stop or save blocked (the mask survives the
         # exec), so that one sent to the trainer's whole process group while the worker imports
-        # cannot end it before `_serve` ignores them. multiprocessing starts its resource
-        # tracker with the first spawn, and then unblocks SIGINT and SIGTERM: it starts first.
-        resource_tracker.ensure_running()
+        # cannot end it before it ignores them.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, OWNERS_SIGNALS)
         try:
-            self.process.start()
+            self.process = subprocess.Popen(
+                [*command, str(os.getpid())],
+                pass_fds=(worker_end,),
+                stdin=subprocess.DEVNULL,
+                env=dict(os.environ, PYTHONPATH=paths),
+            )
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        # Only the worker holds its end now: the pool reads the pipe's end when it dies.
-        worker_end.close()
+            os.close(worker_end)
+        # A process forked from the trainer meanwhile may hold the worker's end too: its death
+        # is watched on the pidfd, not only on the socket.
+        self.sentinel = os.pidfd_open(self.process.pid)
         self.started = time.monotonic()
         self.ready = False
         self.sample: int | None = None  # the index in its batch of the sample it is scoring
@@ -249,23 +239,23 @@ class _Worker:
         """Mark the worker ready if it said so; raise if it died or took too long starting."""
         if self.connection.poll():
             with contextlib.suppress(EOFError, OSError):
-                self.ready = self.connection.recv() == _READY
-        elif self.process.is_alive() and now < self.started + START_TIMEOUT_S:
+                self.ready = self.connection.recv() == READY
+        elif self.process.poll() is None and now < self.started + START_TIMEOUT_S:
             return
         if not self.ready:
             self.process.kill()
-            self.process.join()
+            self.process.wait()
             raise RuntimeError(
                 f"a scoring worker (PID {self.process.pid}) did not start: exit code "
-                f"{self.process.exitcode} after {now - self.started:.1f} s"
+                f"{self.process.returncode} after {now - self.started:.1f} s"
             )
 
     def stop(self) -> None:
-        """Kill the process (SIGKILL, by PID), reap it, and close its pipe and sentinel."""
+        """Kill the process (SIGKILL, by PID), reap it, and close its socket and pidfd."""
         self.process.kill()
-        self.process.join()
-        self.process.close()
+        self.process.wait()
         self.connection.close()
+        os.close(self.sentinel)
 
 
 def _pickled(verifier: Verifier) -> tuple[str, bytes]:
@@ -282,58 +272,3 @@ def _unsendable(name: str, error: str) -> str:
         f"verifier {name}: cannot be sent to a scoring worker process ({error}); a verifier "
         "scored in worker processes must be a module-level function that they can import"
     )
-
-
-def _serve(connection: Connection, memory_limit: int, trainer_pid: int) -> None:
-    """A worker's life: set its limits, say it is ready, then score request after request
-    until the pool kills it or goes away."""
-    # The end of its pipe only reaches a worker once every process holding the pool's end has
-    # closed it, and processes forked from the trainer (checkpoint writers) hold it too.
-    exit_when_orphaned(trainer_pid)
-    # Ctrl-C in a terminal, and a launcher's request to save (SIGUSR1 from SLURM, ...), reach
-    # the whole process group: the pool's owner decides (ignored here, they are dropped if they
-    # came while blocked at the start). The launcher may have started the trainer ignoring
-    # SIGTERM or SIGXCPU (stop signals left to it); a worker takes their default action (the CPU
-    # limit needs SIGXCPU's).
-    for signum in OWNERS_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, OWNERS_SIGNALS)
-    for signum in (signal.SIGTERM, signal.SIGXCPU):
-        signal.signal(signum, signal.SIG_DFL)
-    _set_soft_limit(resource.RLIMIT_CORE, 0)  # a worker ended by its CPU limit dumps no core
-    _set_soft_limit(resource.RLIMIT_AS, _address_space_bytes() + memory_limit)
-    loaded: tuple[bytes, Verifier] | None = None
-    with contextlib.suppress(EOFError, BrokenPipeError):  # the pool is gone
-        connection.send(_READY)
-        while True:
-            request: _Request = connection.recv()
-            if loaded is None or loaded[0] != request.verifier:
-                try:
-                    loaded = (request.verifier, pickle.loads(request.verifier))
-                except Exception as error:
-                    connection.send(_UnloadableVerifier(f"{type(error).__name__}: {error}"))
-                    continue
-            _set_soft_limit(resource.RLIMIT_CPU, _cpu_seconds_used() + request.cpu_limit_s)
-            try:
-                outcome = checked_reward(loaded[1], *request.sample)
-            except MemoryError:
-                return  # no answer: the pool counts a failure and starts a fresh worker
-            except Exception:
-                outcome = None  # a verifier bug or a malformed response costs one sample
-            connection.send(outcome)
-
-
-def _set_soft_limit(kind: int, value: int) -> None:
-    """Set resource `kind`'s soft limit to `value`, or to the hard limit if that is lower."""
-    _, hard = resource.getrlimit(kind)
-    resource.setrlimit(kind, (value if hard == resource.RLIM_INFINITY else min(value, hard), hard))
-
-
-def _address_space_bytes() -> int:
-    """This process's address space now (Linux: its size in pages, in /proc/self/statm)."""
-    return int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _cpu_seconds_used() -> int:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return math.ceil(usage.ru_utime + usage.ru_stime)

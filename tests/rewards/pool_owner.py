@@ -4,9 +4,10 @@ and
     python -m tests.rewards.pool_owner orphan     scores once (so they run), forks a child that
         holds the pool's pipes and sleeps (as a checkpoint writer does), prints `WORKER_PID
         WORKER_PID FORKED_PID` and sleeps until it is killed;
-    python -m tests.rewards.pool_owner signalled  sends each worker SIGINT and SIGUSR1 at once
-        (its first spawn, too, starts multiprocessing's resource tracker), scores, and prints
-        the scores and whether the workers are those it started.
+    python -m tests.rewards.pool_owner signalled  sends each worker SIGINT and SIGUSR1 at once,
+        while it starts, scores, and prints the scores, whether the workers are those it
+        started and whether any of them loaded torch (this module, the main one, imports it as
+        a trainer's does; a worker should not import the main module).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
+
+import torch  # noqa: F401  (as a trainer's main module does)
 
 from megatron_rl.rewards import ScoringPool, score_responses
 from tests.rewards.misbehaving import misbehave
@@ -36,7 +40,8 @@ def signalled(pool: ScoringPool) -> None:
         for signum in (signal.SIGINT, signal.SIGUSR1):
             os.kill(pid, signum)
     scores = score_responses(misbehave, ["?"] * 2, ["ok"] * 2, ["1"] * 2, pool)
-    print(scores, pool.pids == started, flush=True)
+    torch_in_workers = any("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in started)
+    print(scores, pool.pids == started, torch_in_workers, flush=True)
 
 
 if __name__ == "__main__":

@@ -179,9 +179,10 @@ def test_the_workers_end_when_their_trainer_is_killed_though_a_fork_holds_their_
 
 @pytest.mark.timeout(60)
 def test_the_first_pool_of_a_process_starts_its_workers_ignoring_the_owners_signals():
-    """In a fresh process the first worker's spawn also starts multiprocessing's resource
-    tracker, which unblocks SIGINT and SIGTERM: a Ctrl-C to the trainer's group during the
-    first worker's imports ended it ("Exception ignored ... KeyboardInterrupt" in CI)."""
+    """A fresh process's first pool: with multiprocessing's 'spawn' the first worker's start
+    also started its resource tracker, which unblocked SIGINT and SIGTERM, and a Ctrl-C to the
+    trainer's group during that worker's imports ended it ("Exception ignored ...
+    KeyboardInterrupt" in CI)."""
     result = subprocess.run(
         [sys.executable, "-m", "tests.rewards.pool_owner", "signalled"],
         cwd=REPO,
@@ -192,7 +193,7 @@ def test_the_first_pool_of_a_process_starts_its_workers_ignoring_the_owners_sign
     assert result.returncode == 0, result.stderr[-3000:]
     assert "KeyboardInterrupt" not in result.stderr, result.stderr[-3000:]
     expected = RewardScores(rewards=[1.0, 1.0], failures=0, timeouts=0)
-    assert result.stdout.split("\n")[0] == f"{expected} True"
+    assert result.stdout.split("\n")[0] == f"{expected} True False"
 
 
 @pytest.mark.timeout(60)
