@@ -270,5 +270,6 @@ def _pickled(verifier: Verifier) -> tuple[str, bytes]:
 def _unsendable(name: str, error: str) -> str:
     return (
         f"verifier {name}: cannot be sent to a scoring worker process ({error}); a verifier "
-        "scored in worker processes must be a module-level function that they can import"
+        "scored in worker processes must be a module-level function that they can import "
+        "(of a module, not of the script run as __main__)"
     )

@@ -217,3 +217,24 @@ def test_a_verifier_the_workers_cannot_import_is_refused(scoring_pool):
             score_responses(verifier, ["?"], ["ok"], ["1"], scoring_pool)
     # The pool is unharmed.
     assert score_responses(misbehave, ["?"], ["ok"], ["1"], scoring_pool).rewards == [1.0]
+
+
+@pytest.mark.timeout(60)
+def test_a_verifier_of_the_script_run_as_main_is_refused_with_the_reason(tmp_path):
+    """The workers import nothing of the trainer's main script, so they cannot find a verifier
+    defined there: the first batch says so instead of scoring zeros."""
+    script = tmp_path / "train_my_way.py"
+    script.write_text(
+        "from megatron_rl.rewards import ScoringPool, score_responses\n"
+        "def mine(prompt, response, reference):\n"
+        "    return 1.0\n"
+        "if __name__ == '__main__':\n"
+        "    with ScoringPool(workers=1, timeout_s=5.0, memory_limit_mb=512) as pool:\n"
+        "        score_responses(mine, ['?'], ['ok'], ['1'], pool)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=50
+    )
+    assert result.returncode == 1
+    assert "verifier mine: cannot be sent to a scoring worker process" in result.stderr
+    assert "not of the script run as __main__" in result.stderr
