@@ -113,7 +113,8 @@ def format_report(rows: list[Row], claims: list[Claim], plots: list[Plot]) -> st
         "",
         "Collapse events (the same for every arm): a non-finite loss or gradient; held-out "
         f"accuracy more than {ACCURACY_DROP:.2f} below the run's best that does not recover "
-        f"within {RECOVERY_EVALS} evaluations; mean reward <= {REWARD_FLOOR} on "
+        f"within {RECOVERY_EVALS} evaluations (at least one: a low last evaluation alone is "
+        f"not one); mean reward <= {REWARD_FLOOR} on "
         f"{REWARD_FLOOR_STEPS} consecutive steps.",
         "",
         "## Claims",

@@ -5,9 +5,11 @@ A **collapse event** is one of:
 - `nonfinite`: a step whose loss or gradient was not finite (its updates were skipped), or a run
   the trainer aborted for too many of them;
 - `accuracy`: held-out accuracy falls more than `ACCURACY_DROP` below the best so far and is
-  still that far below after `RECOVERY_EVALS` more evaluations (or at the run's end, if fewer
-  remain). 0.15 is 2.5 standard errors of an accuracy near 0.6 on 64 held-out problems: noise
-  alone rarely makes it, a lasting fall does. Counted once per fall;
+  still that far below after `RECOVERY_EVALS` more evaluations (at the run's end, after those
+  that remain, at least one: a single low last evaluation is evaluation noise as often as not,
+  and flagged about 11% of flat runs). 0.15 is 2.5 standard errors of an accuracy near 0.6 on 64
+  held-out problems: noise alone rarely makes it twice in a row, a lasting fall does. Counted
+  once per fall;
 - `reward`: the mean sampled reward at or below `REWARD_FLOOR` on `REWARD_FLOOR_STEPS`
   consecutive steps (the policy has stopped producing right answers). Counted once per stretch.
 
@@ -118,7 +120,7 @@ def collapse_events(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
         step, accuracy = evals[index]
         if accuracy < best - ACCURACY_DROP:
             later = evals[index + 1 : index + 1 + RECOVERY_EVALS]
-            if all(value < best - ACCURACY_DROP for _, value in later):
+            if later and all(value < best - ACCURACY_DROP for _, value in later):
                 events.append((step, "accuracy"))
                 # one event per fall: the next counts only after a recovery to within the drop
                 index += 1
