@@ -116,6 +116,8 @@ def routing_bytes(records: list[Tensor]) -> int:
 LOG_RATIO_SHARE_METRICS: MetricDeclarations = {
     "routing/log_ratio_var_share": Reduction.MEAN,
     "routing/log_ratio_abs_share": Reduction.MEAN,
+    "routing/log_ratio_var_free": Reduction.MEAN,
+    "routing/log_ratio_var_held": Reduction.MEAN,
 }
 
 
@@ -129,9 +131,12 @@ def routing_share_of_log_ratio(
     - `routing/log_ratio_var_share`: 1 - var(replayed log-ratio) / var(free log-ratio): the share
       of the log-ratio's variance that goes away when the routing is held (0 when routing adds
       nothing; negative when holding the routing makes the ratios vary more);
-    - `routing/log_ratio_abs_share`: the same with the mean |log-ratio|.
+    - `routing/log_ratio_abs_share`: the same with the mean |log-ratio|;
+    - `routing/log_ratio_var_free`, `routing/log_ratio_var_held`: the two variances. A share of
+      one micro-batch's ~200 heavy-tailed tokens is noisy and often negative, so its mean over
+      steps is biased; 1 - sum(held) / sum(free) over a run pools them (bench/drift/summary.py).
 
-    Both are 0 when the free log-ratio is 0 everywhere (nothing to explain).
+    The shares are 0 when the free log-ratio is 0 everywhere (nothing to explain).
     """
     if not free_logp.shape == replayed_logp.shape == old_logp.shape == mask.shape:
         raise ValueError(
@@ -148,8 +153,11 @@ def routing_share_of_log_ratio(
 
     if free.numel() == 0:
         zero = torch.zeros((), dtype=torch.float64)
-        return {"routing/log_ratio_var_share": zero, "routing/log_ratio_abs_share": zero}
+        return {key: zero for key in LOG_RATIO_SHARE_METRICS}
+    var_free, var_held = free.var(unbiased=False), held.var(unbiased=False)
     return {
-        "routing/log_ratio_var_share": share(held.var(unbiased=False), free.var(unbiased=False)),
+        "routing/log_ratio_var_share": share(var_held, var_free),
         "routing/log_ratio_abs_share": share(held.abs().mean(), free.abs().mean()),
+        "routing/log_ratio_var_free": var_free,
+        "routing/log_ratio_var_held": var_held,
     }

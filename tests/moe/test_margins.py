@@ -72,6 +72,9 @@ def test_routing_share_of_the_log_ratio_is_paired_on_the_same_weights():
     shares = routing_share_of_log_ratio(free, held, old, mask)
     assert float(shares["routing/log_ratio_var_share"]) == pytest.approx(1 - 0.25)
     assert float(shares["routing/log_ratio_abs_share"]) == pytest.approx(1 - 0.5)
+    # the variances themselves, for a share pooled over steps
+    assert float(shares["routing/log_ratio_var_free"]) == pytest.approx(0.08 / 3)
+    assert float(shares["routing/log_ratio_var_held"]) == pytest.approx(0.02 / 3)
     # routing is all of it: replayed, the log-probs are the old ones
     all_routing = routing_share_of_log_ratio(free, old, old, mask)
     assert float(all_routing["routing/log_ratio_var_share"]) == 1

@@ -12,7 +12,8 @@ on synthetic rows in both directions. The thresholds are fixed here, before any 
 - `CLIP_RATIO`: "far larger" is at least 10x (the GSPO paper reports ~100x);
 - `REPLAY_TIME_OVERHEAD`: replay is cheap if the learning phases take < 10% longer with it;
 - `ROUTING_SHARE`: routing "causes most" of the token log-ratio if replaying the old routing
-  removes at least half of its variance (`log_ratio_var_share` >= 0.5);
+  removes at least half of its variance, pooled over a run's steps
+  (`log_ratio_var_share_pooled` >= 0.5);
 - `RANK_CORRELATION`: the near-tie share "predicts" a layer's drift if their Spearman rank
   correlation over (run, layer) pairs is at least 0.5;
 - `MOE_K3`: the MoE mismatch regime is a k3 KL between engine and trainer log-probs of at least
@@ -346,24 +347,23 @@ def routing_causes_most_log_ratio(rows: list[Row]) -> Claim:
         for r in rows
         if _no_replay(r)
         and r.get("model") == MAIN_MODEL
-        and r.get("log_ratio_var_share") is not None
+        and r.get("log_ratio_var_share_pooled") is not None
     ]
     if not free:
         return Claim(
             4,
             statement,
             NOT_TESTED,
-            f"needs runs without replay of {MAIN_MODEL} that measured log_ratio_var_share",
+            f"needs runs without replay of {MAIN_MODEL} that measured log_ratio_var_share_pooled",
             _regime(rows),
         )
-    share = _mean(free, "log_ratio_var_share")
+    share = _mean(free, "log_ratio_var_share_pooled")
     abs_share = _mean(free, "log_ratio_abs_share")
-    evidence = f"routing's share of the log-ratio variance {share:.1%}" + (
-        f", of its mean |log w| {abs_share:.1%}" if abs_share is not None else ""
+    evidence = f"routing's share of the log-ratio variance {share:.1%}, pooled per run" + (
+        f"; of its mean |log w| {abs_share:.1%}" if abs_share is not None else ""
     )
-    evidence += (
-        f" (mean of {len(free)} runs; smallest run {min(_values(free, 'log_ratio_var_share')):.1%})"
-    )
+    smallest = min(_values(free, "log_ratio_var_share_pooled"))
+    evidence += f" (mean of {len(free)} runs; smallest run {smallest:.1%})"
     return Claim(4, statement, PASS if share >= ROUTING_SHARE else FAIL, evidence, _regime(free))
 
 

@@ -57,7 +57,7 @@ _TABLE = (
     ("drift_token_any", "drift token-any", "{:.2%}"),
     ("engine_routing_mismatch", "engine routing mismatch", "{:.2%}"),
     ("mismatch_k3", "mismatch k3", "{:.2e}"),
-    ("log_ratio_var_share", "routing share of log w var", "{:.1%}"),
+    ("log_ratio_var_share_pooled", "routing share of log w var", "{:.1%}"),
     ("near_tie", "near-ties", "{:.2%}"),
     ("clip_frac_token", "clip tokens", "{:.2%}"),
     ("clip_frac_seq", "clip seqs", "{:.2%}"),

@@ -72,6 +72,8 @@ STEP_MEANS = {
     "near_tie": "routing/margin_near_tie",
     "log_ratio_var_share": "routing/log_ratio_var_share",
     "log_ratio_abs_share": "routing/log_ratio_abs_share",
+    "log_ratio_var_free": "routing/log_ratio_var_free",
+    "log_ratio_var_held": "routing/log_ratio_var_held",
     "router_weight_change": "routing/router_weight_change",
     "router_weight_change_rel": "routing/router_weight_change_rel",
     "replay_miss_max": "routing/replay_miss_token_layer",
@@ -223,6 +225,7 @@ def summarize_run(
         combine = max if column in _STEP_MAXIMA else statistics.fmean
         row[column] = combine(values) if values else None
     row["learn_s_per_1k_tokens"] = _learn_seconds_per_1k_tokens(steps)
+    row |= _pooled_routing_share(steps)
     for column, prefix in PER_LAYER_MEANS.items():
         row |= _per_layer_means(steps, prefix, column)
     if any("routing/margin_median" in r for r in steps):  # the run had metrics.routing_probe
@@ -232,6 +235,30 @@ def summarize_run(
             row[f"routes_{bucket}"] = routes
             row[f"flip_rate_{bucket}"] = flips / routes if routes else None
     return row
+
+
+def _pooled_routing_share(steps: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Routing's share of the log-ratio variance over the run: pooled, 1 - sum of the steps'
+    held variances / sum of their free ones (the steps that logged both), and the median of
+    the steps' own shares (moe/drift.py's `routing_share_of_log_ratio`)."""
+    pairs = [
+        (r["routing/log_ratio_var_held"], r["routing/log_ratio_var_free"])
+        for r in steps
+        if r.get("routing/log_ratio_var_held") is not None
+        and r.get("routing/log_ratio_var_free") is not None
+    ]
+    free = sum(free for _, free in pairs)
+    shares = [
+        r["routing/log_ratio_var_share"]
+        for r in steps
+        if r.get("routing/log_ratio_var_share") is not None
+    ]
+    return {
+        "log_ratio_var_share_pooled": 1 - sum(held for held, _ in pairs) / free
+        if free > 0
+        else None,
+        "log_ratio_var_share_median": statistics.median(shares) if shares else None,
+    }
 
 
 # summary column prefix -> the per-step metric prefix of each layer's value (`..._<layer>`)

@@ -52,7 +52,7 @@ def row(arm: str, seed: int = 1, cell: str = "base", **values) -> dict:
         "clip_frac_token": 0.2 if loss == "gspo" else 0.002,
         "log_ratio_abs_max": 1.0 if replay == "none" else 0.5,
         "log_ratio_outside_0.8_1.25": 0.01 if replay == "none" else 0.005,
-        "log_ratio_var_share": 0.7 if replay == "none" else None,
+        "log_ratio_var_share_pooled": 0.7 if replay == "none" else None,
         "mismatch_k3": 1e-4,
         "engine_routing_mismatch": 0.0,
         "old_logprob_s": 0.0 if mismatch == "bypass" else 0.2,
@@ -150,7 +150,7 @@ def test_routing_causes_most_log_ratio_on_the_main_model():
     rows = arms("grpo", "gspo", "grpo_r2")
     claim = claims.routing_causes_most_log_ratio(rows)
     assert claim.verdict == "PASS" and "70.0%" in claim.evidence
-    half_off = change(rows, "gspo", log_ratio_var_share=0.2)  # mean 45%
+    half_off = change(rows, "gspo", log_ratio_var_share_pooled=0.2)  # mean 45%
     assert verdict(claims.routing_causes_most_log_ratio, half_off) == "FAIL"
     tiny = [r | {"model": "tiny"} for r in rows]
     assert verdict(claims.routing_causes_most_log_ratio, tiny) == "NOT TESTED"

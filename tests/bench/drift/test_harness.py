@@ -4,6 +4,7 @@ resume, a crashing arm, and the bad inputs refused before any run starts."""
 from __future__ import annotations
 
 import csv
+import json
 import signal
 import subprocess
 import sys
@@ -79,6 +80,15 @@ def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
         routes = [k for k in row if k.startswith("routes_")]
         assert len(routes) == 4 and sum(float(row[k]) for k in routes) > 0
         assert "update_activated_layer_3" in row and "near_tie_layer_0" in row
+    # routing's share of the log-ratio variance, pooled over the run's steps
+    steps = [
+        json.loads(line) for line in (out / "runs" / "gspo--base--seed1" / "metrics.jsonl").open()
+    ]
+    held = sum(r["routing/log_ratio_var_held"] for r in steps if "routing/log_ratio_var_held" in r)
+    free = sum(r["routing/log_ratio_var_free"] for r in steps if "routing/log_ratio_var_free" in r)
+    assert free > 0
+    assert float(rows["gspo"]["log_ratio_var_share_pooled"]) == pytest.approx(1 - held / free)
+    assert rows["gspo"]["log_ratio_var_share_median"] != ""
     # the recipe's own choice of old log-probs, not the retired use_engine_logprobs
     assert rows["gspo"]["mismatch"] == "none" and "use_engine_logprobs" not in rows["gspo"]
     text = report.read_text()

@@ -128,7 +128,7 @@ def summary_row(arm: str, cell: str, seed: int, steps: list[dict]) -> dict:
         "drift_token_any": 0.3,
         "engine_routing_mismatch": 0.0 if replay == "r3" else ENGINE_MISMATCH[engine],
         "mismatch_k3": ENGINE_K3[engine] / (4 if replay == "r3" else 1),
-        "log_ratio_var_share": 0.6 if replay == "none" else None,
+        "log_ratio_var_share_pooled": 0.6 if replay == "none" else None,
         "near_tie": 0.04,
         "clip_frac_token": 0.15 if loss == "gspo" else 0.002,
         "clip_frac_seq": 0.2 if loss == "gspo" else 0.01,
