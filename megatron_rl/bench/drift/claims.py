@@ -819,15 +819,21 @@ def corrections_instead_of_replay(rows: list[Row]) -> Claim:
     )
     fp8 = [r for r in rows if _engine(r) == "float8_emulated"]
     parts, holds, tested, untested = [], True, [], []
+    # each correction with the summary column saying how often it acted (its fire rate): one
+    # that never acted duplicates plain GRPO (for the combination, TIS alone)
     corrections = (
-        ("TIS", GRPO_TIS),
-        ("geometric MIS", GRPO_MIS),
-        ("TIS + geometric MIS", GRPO_TIS_MIS),
+        ("TIS", GRPO_TIS, "tis_truncated_frac"),
+        ("geometric MIS", GRPO_MIS, "mis_masked_frac"),
+        ("TIS + geometric MIS", GRPO_TIS_MIS, "mis_masked_frac"),
     )
-    for name, arm in corrections:
+    for name, arm, fire_rate in corrections:
         cells = _cells(fp8, arm, GRPO_R3)
         if not cells:
             untested.append(name)
+            continue
+        fired = [row[fire_rate] for row in _pooled(cells, 0) if row.get(fire_rate) is not None]
+        if not any(fired):
+            untested.append(f"{name} (never acted: {fire_rate} {'0' if fired else 'not recorded'})")
             continue
         tested += _pooled(cells, 0)
         for corrected, r3 in cells:
@@ -835,7 +841,7 @@ def corrections_instead_of_replay(rows: list[Row]) -> Claim:
             holds &= stable
             parts.append(f"{name} vs R3 at {corrected[0]['cell']}: {text}")
     if untested:
-        parts.append("no float8 cell holds GRPO + R3 and GRPO + " + " or ".join(untested))
+        parts.append("not tested with GRPO + R3 in a float8 cell: GRPO + " + ", ".join(untested))
     verdict = FAIL if not holds else NOT_TESTED if untested else PASS
     return Claim(20, statement, verdict, "; ".join(parts), _regime(tested or rows))
 

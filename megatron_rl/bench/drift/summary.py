@@ -88,6 +88,10 @@ STEP_MEANS = {
     "log_ratio_outside_0.8_1.25": "log_ratio/frac_tau1.25",
     "kl_k3": "kl/k3",
     "mismatch_k3": "mismatch/k3",
+    # how often a mismatch correction acts: the share of response tokens whose weight TIS
+    # truncated, and the share that MIS's band masked (0 at every step: the arm is plain GRPO)
+    "tis_truncated_frac": "mismatch/truncated_token_frac",
+    "mis_masked_frac": "mismatch/masked_token_frac",
     "reward_mean": "reward/mean",
     "grad_norm": "grad_norm",
     "step_s": "time/step_s",

@@ -54,6 +54,8 @@ def row(arm: str, seed: int = 1, cell: str = "base", **values) -> dict:
         "log_ratio_outside_0.8_1.25": 0.01 if replay == "none" else 0.005,
         "log_ratio_var_share_pooled": 0.7 if replay == "none" else None,
         "mismatch_k3": 1e-4,
+        "tis_truncated_frac": 0.01 if "tis" in mismatch else 0.0,
+        "mis_masked_frac": 0.02 if "mis" in mismatch else 0.0,
         "engine_routing_mismatch": 0.0,
         "old_logprob_s": 0.0 if mismatch == "bypass" else 0.2,
         "step_s": 1.2,
@@ -449,6 +451,15 @@ def test_corrections_are_as_stable_as_r3_with_a_float8_engine():
     assert verdict(claims.corrections_instead_of_replay, no_mis_tis_collapses) == "FAIL"
     bf16 = [r | {"engine_dtype": "bfloat16"} for r in rows]
     assert verdict(claims.corrections_instead_of_replay, bf16) == "NOT TESTED"
+    # a band that never masks leaves plain TIS: the combination is not tested, and says why
+    silent = change(rows, "grpo_tis_mis_geometric", mis_masked_frac=0.0)
+    claim = claims.corrections_instead_of_replay(silent)
+    assert claim.verdict == "NOT TESTED"
+    assert "TIS + geometric MIS (never acted: mis_masked_frac 0)" in claim.evidence
+    unrecorded = change(rows, "grpo_tis", tis_truncated_frac=None)
+    assert "TIS (never acted: tis_truncated_frac not recorded)" in (
+        claims.corrections_instead_of_replay(unrecorded).evidence
+    )
 
 
 def test_main_regime_holds_at_five_percent():
