@@ -22,7 +22,7 @@ from megatron_rl.moe.drift import routing_bytes
 from megatron_rl.parallel.collectives import host_all_reduce
 from megatron_rl.parallel.stages import from_last_stage
 from megatron_rl.trainer.batches import EngineRouting, RolloutBatch, micro_batches, minibatch_rows
-from megatron_rl.trainer.metric_reductions import UPDATE_METRICS
+from megatron_rl.trainer.metric_reductions import UPDATE_METRICS, update_change_name
 from megatron_rl.trainer.metrics import StepTimer
 from megatron_rl.trainer.micro_batch import PolicyMicroBatch
 from megatron_rl.trainer.policy import ENGINE_MISMATCH_UNITS, Policy, UpdateResult
@@ -97,6 +97,7 @@ def learn(
         ]
     if routers_before is not None:
         metrics |= policy.router_change(routers_before)
+        metrics |= _since_old_after_the_last_update(updates[-1])
     first = updates[0]  # before any optimizer step: it compares with the engine
     if source is OldLogProbs.ENGINE and not algo.runs_old_policy_forward and not first.skipped:
         metrics |= _mismatch_from_first_update(first)
@@ -251,6 +252,19 @@ def _kl_per_row(
         "reward/kl_penalty": float(-algo.kl_coef * kl_rows.mean()),
     }
     return kl_rows, metrics
+
+
+def _since_old_after_the_last_update(last: UpdateResult) -> dict[str, float]:
+    """The routing probe's share of activated experts the old policy did not choose, after the
+    step's last update (`routing/since_old_last_activated_experts`): the step's
+    `routing/since_old_activated_experts` averages over its updates, the first of which has
+    moved the weights once."""
+    since_old = update_change_name("drift/activated_experts", "since_old")
+    if since_old not in last.metrics:
+        return {}
+    return {
+        update_change_name("drift/activated_experts", "since_old_last"): last.metrics[since_old]
+    }
 
 
 def _update_metrics(updates: list[UpdateResult]) -> dict[str, float]:

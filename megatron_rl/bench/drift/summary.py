@@ -68,6 +68,8 @@ STEP_MEANS = {
     # (its recorded routing) did not choose
     "since_old_activated": "routing/since_old_activated_experts",
     "since_old_token_layer": "routing/since_old_token_layer",
+    # the same after the step's last update only (the one above averages over its updates)
+    "since_old_last_activated": "routing/since_old_last_activated_experts",
     "margin_median": "routing/margin_median",
     "near_tie": "routing/margin_near_tie",
     "log_ratio_var_share": "routing/log_ratio_var_share",

@@ -80,6 +80,15 @@ def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
         routes = [k for k in row if k.startswith("routes_")]
         assert len(routes) == 4 and sum(float(row[k]) for k in routes) > 0
         assert "update_activated_layer_3" in row and "near_tie_layer_0" in row
+        # after the last of the step's updates the weights have moved furthest from the old ones
+        assert float(row["since_old_last_activated"]) >= 0
+    for arm in ("grpo_r2", "gspo"):
+        steps = [
+            json.loads(line)
+            for line in (out / "runs" / f"{arm}--base--seed1" / "metrics.jsonl").open()
+        ]
+        last = [r["routing/since_old_last_activated_experts"] for r in steps if r["step"] > 0]
+        assert float(rows[arm]["since_old_last_activated"]) == pytest.approx(sum(last) / len(last))
     # routing's share of the log-ratio variance, pooled over the run's steps
     steps = [
         json.loads(line) for line in (out / "runs" / "gspo--base--seed1" / "metrics.jsonl").open()
