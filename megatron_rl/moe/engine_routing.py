@@ -95,6 +95,16 @@ def engine_layer_columns(
     )
 
 
+def router_token_mask(loss_mask: Tensor, *, sp_rank: int = 0, sp_size: int = 1) -> Tensor:
+    """`[b, S]` -> `[tokens]`: the mask in a router's token order, as `router_order` orders the
+    routing (sequence-major over this rank's sequence-parallel slice)."""
+    seq = loss_mask.shape[1]
+    if seq % sp_size != 0:
+        raise ValueError(f"loss mask: {seq} positions do not split over {sp_size} SP ranks")
+    width = seq // sp_size
+    return loss_mask[:, sp_rank * width : (sp_rank + 1) * width].transpose(0, 1).reshape(-1)
+
+
 def router_order(
     routing: Tensor, *, sp_rank: int = 0, sp_size: int = 1, layers: Sequence[int] | None = None
 ) -> list[Tensor]:

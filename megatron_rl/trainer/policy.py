@@ -22,6 +22,7 @@ from megatron_rl.models.families import ModelFamily
 from megatron_rl.models.hf_source import inspect_hf
 from megatron_rl.models.hf_weights import HFWeightStream, load_hf_weights, stream_hf_weights
 from megatron_rl.moe.drift import changed_routes, routing_drift, routing_share_of_log_ratio
+from megatron_rl.moe.engine_routing import router_token_mask
 from megatron_rl.moe.margins import margin_metrics
 from megatron_rl.moe.replay import ObservedRouting, RoutingReplay
 from megatron_rl.moe.replay_mode import RoutingReplayMode
@@ -129,6 +130,7 @@ class Policy:
             _replay_drift(
                 micro,
                 ObservedRouting(old.routing, old.routing, []),
+                self._router_token_mask(micro),
                 replaying=False,
                 layer_numbers=self.config.moe_layers,
             )
@@ -171,6 +173,7 @@ class Policy:
             drift = _replay_drift(
                 micro_batches[-1],
                 before,
+                self._router_token_mask(micro_batches[-1]),
                 replaying=replaying is not None,
                 layer_numbers=self.config.moe_layers,
             )
@@ -216,8 +219,8 @@ class Policy:
         chosen_before = join_stages(torch.stack(before.free, 1), dim=1)
         chosen_after = join_stages(torch.stack(free.routing, 1).to(device), dim=1)
         margins = join_stages(torch.stack(before.margins, 1), dim=1)
-        mask = micro_batch.loss_mask.transpose(0, 1).reshape(-1).to(device)
-        mask = mask if mask.numel() == len(chosen_before) else None
+        mask = self._router_token_mask(micro_batch).to(device)
+        _check_mask_fits(mask, chosen_before)
         layers = self.config.moe_layers
         change = routing_drift(chosen_before, chosen_after, mask, layers)
         old = join_stages(torch.stack(micro_batch.routing, 1).to(device), dim=1)
@@ -236,6 +239,17 @@ class Policy:
             )
         metrics |= from_last_stage(share) or {}
         return {key: float(value) for key, value in metrics.items()}
+
+    def _router_token_mask(self, micro_batch: PolicyMicroBatch) -> Tensor:
+        """The micro-batch's loss mask `[tokens]` in the order this rank's routers see its
+        tokens: position, then row, over this rank's slice under sequence parallelism."""
+        if not self.model.config.sequence_parallel:
+            return router_token_mask(micro_batch.loss_mask)
+        return router_token_mask(
+            micro_batch.loss_mask,
+            sp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            sp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        )
 
     def router_weights(self) -> list[Tensor]:
         """A copy of this rank's routers' weights (its pipeline stage's MoE layers)."""
@@ -329,9 +343,21 @@ def _routers(model: torch.nn.Module) -> list[TopKRouter]:
     return [module for module in model.modules() if isinstance(module, TopKRouter)]
 
 
+def _check_mask_fits(mask: Tensor, routing: Tensor) -> None:
+    """Raise unless the router-order loss mask `[tokens]` has a value per routed token of
+    `routing` `[tokens, ...]`: a silent fallback to every token would count prompt and padding
+    tokens in the drift metrics."""
+    if mask.numel() != len(routing):
+        raise ValueError(
+            f"routing drift: the loss mask gives {mask.numel()} tokens in the routers' order, "
+            f"the routers routed {len(routing)}"
+        )
+
+
 def _replay_drift(
     micro_batch: PolicyMicroBatch,
     observed: ObservedRouting,
+    router_mask: Tensor,
     *,
     replaying: bool,
     layer_numbers: Sequence[int],
@@ -341,12 +367,11 @@ def _replay_drift(
     (token, layer) pairs where the forward used other experts than the replayed ones
     (`routing/replay_miss_token_layer`; 0 when replay works): this rank's last micro-batch,
     every MoE layer (all pipeline stages; `layer_numbers` are their model layers), response
-    tokens (all tokens under sequence parallelism, whose slices the mask does not follow)."""
+    tokens (`router_mask` `[tokens]`, in the routers' order: `Policy._router_token_mask`)."""
     device = observed.free[0].device  # the model's (R3's replayed routing comes from the host)
     replayed = join_stages(torch.stack(micro_batch.routing, 1).to(device), dim=1)
-    # Routers see tokens sequence-major: position, then row.
-    mask = micro_batch.loss_mask.transpose(0, 1).reshape(-1).to(device)
-    mask = mask if mask.numel() == len(replayed) else None
+    mask = router_mask.to(device)
+    _check_mask_fits(mask, replayed)
 
     def drift_from_replayed(routing: list[Tensor]) -> dict[str, Tensor]:
         chosen = join_stages(torch.stack(routing, 1).to(replayed.dtype), dim=1)

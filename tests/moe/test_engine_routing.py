@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.moe.engine_routing import place_engine_routing, router_order
+from megatron_rl.moe.engine_routing import place_engine_routing, router_order, router_token_mask
 
 LAYERS, TOPK = 3, 2
 
@@ -87,3 +87,18 @@ def test_bad_engine_routing_is_refused(samples, message):
         place_engine_routing(samples, [0], [0], [4], (1, 6), num_layers=LAYERS, topk=TOPK)
     with pytest.raises(ValueError, match="does not fit the micro-batch"):
         place_engine_routing([_payload(0, 4)], [0], [4], [4], (1, 6), num_layers=LAYERS, topk=TOPK)
+
+
+@pytest.mark.parametrize(("sp_rank", "sp_size"), [(0, 1), (0, 2), (1, 2)])
+def test_the_router_token_mask_follows_the_routing_token_for_token(sp_rank, sp_size):
+    """Each token's mask value lands where `router_order` puts that token's routing."""
+    generator = torch.Generator().manual_seed(0)
+    loss_mask = torch.rand(3, 8, generator=generator) > 0.5
+    # each token's routing holds its own mask value
+    routing = loss_mask.long()[:, :, None, None].expand(3, 8, 1, 2)
+    (ordered,) = router_order(routing, sp_rank=sp_rank, sp_size=sp_size)
+    mask = router_token_mask(loss_mask, sp_rank=sp_rank, sp_size=sp_size)
+    assert mask.shape == (3 * 8 // sp_size,)
+    assert torch.equal(mask.long(), ordered[:, 0])
+    with pytest.raises(ValueError, match="8 positions do not split over 3 SP ranks"):
+        router_token_mask(loss_mask, sp_rank=0, sp_size=3)
