@@ -1,5 +1,5 @@
-"""The literature's claims, checked on a drift grid's summary rows: PASS, FAIL or NOT TESTED,
-with the numbers and the drift regime behind each verdict.
+"""The literature's claims, checked on a drift grid's summary rows: PASS, FAIL, INCONCLUSIVE or
+NOT TESTED, with the numbers and the drift regime behind each verdict.
 
 Pure functions of the rows (summary.py; the ones of finished runs), so that each claim is tested
 on synthetic rows in both directions. The thresholds are fixed here, before any checked-in run:
@@ -18,9 +18,9 @@ on synthetic rows in both directions. The thresholds are fixed here, before any 
   correlation over (run, layer) pairs is at least 0.5;
 - `MOE_K3`: the MoE mismatch regime is a k3 KL between engine and trainer log-probs of at least
   1e-3 (the R3 paper reports ~1.5e-3 for MoE models).
-"Stable as" means no more collapse events than the reference arm over its seeds, and a mean
-final held-out accuracy no lower than the reference's minus the larger of the two arms' seed
-standard deviations.
+"As stable as" is decided in stability.py: paired over seeds, final accuracy's 95% interval
+against a non-inferiority margin and collapses by an exact test stratified by cell, giving PASS,
+FAIL or INCONCLUSIVE (or NOT TESTED where the two arms are the same computation).
 
 The rows name their base model in `model` (`MAIN_MODEL` is the main one; `FINE_MODELS` the
 fine-grained MoE ones; `DENSE_MODEL` the one-expert control) and the rollout engine's precision
@@ -39,6 +39,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl.bench.drift.stability import NOT_TESTED, all_hold, compare
+from megatron_rl.bench.drift.uncertainty import FAIL, PASS
+
 STRONG_DRIFT = 0.05
 REGIME_METRIC = "since_old_activated"
 CLIP_RATIO = 10.0
@@ -56,7 +59,6 @@ DENSE_MODEL = "dense_control"
 LOW_PRECISION = ("bfloat16", "float8_emulated")
 ENGINE_DTYPES = ("float32", "bfloat16", "float8_emulated")  # in rising rounding error
 
-PASS, FAIL, NOT_TESTED = "PASS", "FAIL", "NOT TESTED"
 
 Row = dict[str, Any]
 
@@ -118,11 +120,6 @@ def _values(rows: list[Row], column: str) -> list[float]:
 def _mean(rows: list[Row], column: str) -> float | None:
     values = _values(rows, column)
     return statistics.fmean(values) if values else None
-
-
-def _std(rows: list[Row], column: str) -> float:
-    values = _values(rows, column)
-    return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def group_by(rows: list[Row], column: str) -> dict[Any, list[Row]]:
@@ -190,25 +187,6 @@ def _machines(rows: list[Row]) -> str:
         return ""
     ran = ", ".join(f"{name}: {count}" for name, count in sorted(counts.items()))
     return f"; times of runs on {len(counts)} machines ({ran} runs)"
-
-
-def _stable_as(candidate: list[Row], reference: list[Row]) -> tuple[bool, str]:
-    """`candidate` is as stable as `reference` (module docstring), and the numbers."""
-    events = sum(row["collapse_events"] for row in candidate)
-    reference_events = sum(row["collapse_events"] for row in reference)
-    accuracy, reference_accuracy = (
-        _mean(candidate, "final_accuracy"),
-        _mean(reference, "final_accuracy"),
-    )
-    spread = max(_std(candidate, "final_accuracy"), _std(reference, "final_accuracy"))
-    if accuracy is None or reference_accuracy is None:
-        return False, "no final accuracy"
-    stable = events <= reference_events and accuracy >= reference_accuracy - spread
-    text = (
-        f"collapses {events} vs {reference_events}, final accuracy {accuracy:.3f} vs "
-        f"{reference_accuracy:.3f} (spread {spread:.3f}, n={len(candidate)}/{len(reference)})"
-    )
-    return stable, text
 
 
 def _layer_columns(rows: list[Row], prefix: str) -> list[int]:
@@ -403,16 +381,17 @@ def gspo_as_stable_as_r2(rows: list[Row]) -> Claim:
             "cells)",
             _regime(rows),
         )
-    results = [(c[0][0]["cell"], *_stable_as(c[0], c[1])) for c in strong]
-    verdict = PASS if all(ok for _, ok, _ in results) else FAIL
-    evidence = "; ".join(f"{cell}: {text}" for cell, _, text in results)
-    return Claim(6, statement, verdict, evidence, _regime(_pooled(strong, 0)))
+    stability = compare(_pooled(strong, 0), _pooled(strong, 1), ("GSPO", "GRPO + R2"))
+    evidence = f"{stability} ({', '.join(c[0][0]['cell'] for c in strong)})"
+    return Claim(6, statement, stability.as_stable(), evidence, _regime(_pooled(strong, 0)))
 
 
 def on_policy_needs_no_replay(rows: list[Row]) -> Claim:
     statement = (
-        "On-policy (1 update per rollout batch) GRPO without replay is as stable as with R2; with "
-        "several off-policy updates it is not (arXiv 2512.01374)."
+        "On-policy (1 update per rollout batch) GRPO without replay and with R2 are the same "
+        "computation (the old policy is the one being trained: replaying its routing changes "
+        "nothing); with several off-policy updates, GRPO without replay is not as stable as with "
+        "R2 (arXiv 2512.01374)."
     )
     cells = _cells(rows, GRPO, GRPO_R2)
     on = [c for c in cells if c[0][0]["updates_per_batch"] == 1]
@@ -426,17 +405,10 @@ def on_policy_needs_no_replay(rows: list[Row]) -> Claim:
             "needs GRPO with and without R2 at 1 and at >1 updates per batch",
             _regime(rows),
         )
-    on_results = [_stable_as(c[0], c[1]) for c in on]
-    off_results = [_stable_as(c[0], c[1]) for c in off]
-    verdict = (
-        PASS if all(ok for ok, _ in on_results) and not any(ok for ok, _ in off_results) else FAIL
-    )
-    evidence = (
-        "1 update: "
-        + "; ".join(text for _, text in on_results)
-        + f". {off_degree} updates: "
-        + "; ".join(text for _, text in off_results)
-    )
+    on_policy = compare(_pooled(on, 0), _pooled(on, 1), ("GRPO", "GRPO + R2"))
+    off_policy = compare(_pooled(off, 0), _pooled(off, 1), ("GRPO", "GRPO + R2"))
+    verdict = all_hold([PASS if on_policy.duplicate else FAIL, off_policy.not_as_stable()])
+    evidence = f"1 update: {on_policy}. {off_degree} updates: {off_policy}"
     return Claim(7, statement, verdict, evidence, _regime(_pooled(off, 0)))
 
 
@@ -456,12 +428,12 @@ def engine_logprobs_suffice(rows: list[Row]) -> Claim:
         )
     engine = _pooled(cells, 0)
     forward = _pooled(cells, 1)
-    stable, text = _stable_as(engine, forward)
+    stability = compare(engine, forward, ("GSPO on engine log-probs", "GSPO"))
     saved = (_mean(forward, "old_logprob_s") or 0) - (_mean(engine, "old_logprob_s") or 0)
     step = _mean(forward, "step_s") or float("nan")
-    verdict = PASS if stable and saved > 0 else FAIL
+    verdict = all_hold([stability.as_stable(), PASS if saved > 0 else FAIL])
     evidence = (
-        f"{text}; no old-policy forward saved {saved:.3f} s per step "
+        f"{stability}; no old-policy forward saved {saved:.3f} s per step "
         f"({saved / step:.1%} of GSPO's step){_machines(engine + forward)}"
     )
     return Claim(8, statement, verdict, evidence, _regime(forward))
@@ -500,15 +472,12 @@ def _not_as_stable(
     needs: str,
     rows: list[Row],
 ) -> Claim:
-    """PASS when the first arm of every cell is NOT as stable as the second."""
+    """The first arm of `cells` is not as stable as the second, paired over all of them."""
     if not cells:
         return Claim(number, statement, NOT_TESTED, needs, _regime(rows))
-    results = [(c[0][0]["cell"], *_stable_as(c[0], c[1])) for c in cells]
-    verdict = FAIL if any(ok for _, ok, _ in results) else PASS
-    evidence = f"{names[0]} vs {names[1]}: " + "; ".join(
-        f"{cell}: {text}{' (as stable)' if ok else ''}" for cell, ok, text in results
-    )
-    return Claim(number, statement, verdict, evidence, _regime(_pooled(cells, 0)))
+    stability = compare(_pooled(cells, 0), _pooled(cells, 1), names)
+    evidence = f"{stability} ({', '.join(c[0][0]['cell'] for c in cells)})"
+    return Claim(number, statement, stability.not_as_stable(), evidence, _regime(_pooled(cells, 0)))
 
 
 def two_minibatches_need_r2(rows: list[Row]) -> Claim:
@@ -600,21 +569,20 @@ def frozen_router_as_stable_and_cheaper(rows: list[Row]) -> Claim:
             "needs GRPO with a frozen router and GRPO + R2",
             _regime(rows),
         )
-    parts, holds = [], True
-    names = {c[0][0]["cell"] for c in cells}
+    stability = compare(_pooled(cells, 0), _pooled(cells, 1), ("frozen-router GRPO", "GRPO + R2"))
+    verdicts, parts = [stability.as_stable()], [str(stability)]
     for frozen, r2 in cells:
-        stable, text = _stable_as(frozen, r2)
         step, step_r2 = _mean(frozen, "step_s"), _mean(r2, "step_s")
         cheaper = step is not None and step_r2 is not None and step < step_r2
-        holds &= stable and cheaper
+        verdicts.append(PASS if cheaper else FAIL)
         steps = (
             "no step times"
             if step is None or step_r2 is None
             else f"{step:.2f} vs {step_r2:.2f} s per step"
         )
-        parts.append(f"{frozen[0]['cell']}: {text}; {steps}{_machines(frozen + r2)}")
-    regime = _regime([r for r in rows if r["cell"] in names])
-    return Claim(13, statement, PASS if holds else FAIL, "; ".join(parts), regime)
+        parts.append(f"{frozen[0]['cell']}: {steps}{_machines(frozen + r2)}")
+    regime = _regime([r for c in cells for arm in c for r in arm])
+    return Claim(13, statement, all_hold(verdicts), "; ".join(parts), regime)
 
 
 def near_ties_predict_layer_drift(rows: list[Row]) -> Claim:
@@ -818,7 +786,7 @@ def corrections_instead_of_replay(rows: list[Row]) -> Claim:
         "geometric MIS and GRPO + TIS masked by geometric MIS are each as stable as GRPO + R3."
     )
     fp8 = [r for r in rows if _engine(r) == "float8_emulated"]
-    parts, holds, tested, untested = [], True, [], []
+    parts, verdicts, tested, untested = [], [], [], []
     # each correction with the summary column saying how often it acted (its fire rate): one
     # that never acted duplicates plain GRPO (for the combination, TIS alone)
     corrections = (
@@ -836,14 +804,13 @@ def corrections_instead_of_replay(rows: list[Row]) -> Claim:
             untested.append(f"{name} (never acted: {fire_rate} {'0' if fired else 'not recorded'})")
             continue
         tested += _pooled(cells, 0)
-        for corrected, r3 in cells:
-            stable, text = _stable_as(corrected, r3)
-            holds &= stable
-            parts.append(f"{name} vs R3 at {corrected[0]['cell']}: {text}")
+        stability = compare(_pooled(cells, 0), _pooled(cells, 1), (f"GRPO + {name}", "GRPO + R3"))
+        verdicts.append(stability.as_stable())
+        parts.append(f"{stability} ({', '.join(c[0][0]['cell'] for c in cells)})")
     if untested:
+        verdicts.append(NOT_TESTED)
         parts.append("not tested with GRPO + R3 in a float8 cell: GRPO + " + ", ".join(untested))
-    verdict = FAIL if not holds else NOT_TESTED if untested else PASS
-    return Claim(20, statement, verdict, "; ".join(parts), _regime(tested or rows))
+    return Claim(20, statement, all_hold(verdicts), "; ".join(parts), _regime(tested or rows))
 
 
 def main_regime_holds(rows: list[Row]) -> Claim:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.bench.drift import claims
+from megatron_rl.bench.drift import claims, stability
 from megatron_rl.bench.drift.summary import collapse_events, collapse_precursor
 
 # arm -> (loss, routing_replay, mismatch, freeze_router)
@@ -24,7 +24,10 @@ ARMS = {
 
 
 def row(arm: str, seed: int = 1, cell: str = "base", **values) -> dict:
+    """A run of `arm`: each arm's runs differ from every other arm's (a duplicate arm is not
+    tested, stability.py) by less than the accuracy margin."""
     loss, replay, mismatch, frozen = ARMS[arm]
+    arm_index = list(ARMS).index(arm)
     drift = None if replay != "none" else 0.02
     return {
         "run_id": f"{arm}--{cell}--seed{seed}",
@@ -43,7 +46,8 @@ def row(arm: str, seed: int = 1, cell: str = "base", **values) -> dict:
         "layers": 8,
         "collapse_events": 0,
         "precursor": "",
-        "final_accuracy": 0.7 + 0.01 * seed,
+        "final_accuracy": 0.7 + 0.01 * seed + 0.001 * arm_index * (seed % 2),
+        "reward_mean": 0.5 + 0.001 * arm_index,
         "update_activated": drift,
         "since_old_activated": drift,
         "drift_token_layer": drift,
@@ -71,6 +75,15 @@ def arms(*names: str, seeds=(1, 2, 3), cell="base", **values) -> list[dict]:
 def change(rows: list[dict], arm: str, **values) -> list[dict]:
     """`rows` with `values` set in the rows of `arm`."""
     return [r | values if r["arm"] == arm else r for r in rows]
+
+
+def same_as(rows: list[dict], arm: str, other: str) -> list[dict]:
+    """`rows` with the runs of `arm` computing what those of `other` computed, seed by seed."""
+    of_other = {r["seed"]: r for r in rows if r["arm"] == other}
+    copied = stability.DUPLICATE_COLUMNS
+    return [
+        r | {c: of_other[r["seed"]].get(c) for c in copied} if r["arm"] == arm else r for r in rows
+    ]
 
 
 def verdict(check, rows) -> str:
@@ -181,13 +194,24 @@ def test_gspo_stability_is_tested_only_at_strong_drift():
 
 
 def test_on_policy_claim_needs_both_halves():
-    on = arms("grpo", "grpo_r2", cell="updates_per_batch=1", updates_per_batch=1)
+    # on-policy, replay changes nothing: the two arms are one computation
+    on = same_as(
+        arms("grpo", "grpo_r2", cell="updates_per_batch=1", updates_per_batch=1), "grpo_r2", "grpo"
+    )
     off_fine = arms("grpo", "grpo_r2", cell="updates_per_batch=8", updates_per_batch=8)
     off_bad = change(off_fine, "grpo", collapse_events=2)
     assert verdict(claims.on_policy_needs_no_replay, on + off_bad) == "PASS"
     assert verdict(claims.on_policy_needs_no_replay, on + off_fine) == "FAIL"
     on_bad = change(on, "grpo", final_accuracy=0.3)
     assert verdict(claims.on_policy_needs_no_replay, on_bad + off_bad) == "FAIL"
+    # one off-policy run of three collapsed, its final accuracy with it: not enough to tell
+    off_one = [
+        r | {"collapse_events": 1, "final_accuracy": 0.5}
+        if r["arm"] == "grpo" and r["seed"] == 1
+        else r
+        for r in off_fine
+    ]
+    assert verdict(claims.on_policy_needs_no_replay, on + off_one) == "INCONCLUSIVE"
     assert verdict(claims.on_policy_needs_no_replay, off_bad) == "NOT TESTED"
 
 
@@ -477,7 +501,8 @@ def test_check_claims_numbers_all_21_and_leaves_out_unfinished_runs():
     rows = arms("grpo", "grpo_r2")
     checked = claims.check_claims(rows)
     assert [c.number for c in checked] == list(range(1, 22))
-    assert all(c.verdict in ("PASS", "FAIL", "NOT TESTED") and c.regime for c in checked)
+    verdicts = ("PASS", "FAIL", "INCONCLUSIVE", "NOT TESTED")
+    assert all(c.verdict in verdicts and c.regime for c in checked)
     crashed = change(rows, "grpo_r2", state="crashed")
     by_number = {c.number: c.verdict for c in claims.check_claims(crashed)}
     assert by_number[1] == "NOT TESTED" and len(by_number) == 21
