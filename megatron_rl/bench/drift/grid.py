@@ -48,8 +48,12 @@ _ALGO_DEFAULTS = {
     "algo.mismatch_level": None,
     "algo.mismatch_lower": None,
     "algo.mismatch_upper": None,
+    "algo.mismatch_mask_level": None,
+    "algo.mismatch_mask_lower": None,
+    "algo.mismatch_mask_upper": None,
     "optim.freeze_router": False,
 }
+GEOMETRIC_BAND = (0.999, 1.001)
 BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     "grpo": {"algo.loss": "grpo", "algo.routing_replay": "none"},
     "grpo_r2": {"algo.loss": "grpo", "algo.routing_replay": "r2"},
@@ -71,11 +75,17 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     },
     # the mismatch corrections of the train-vs-engine studies
     "grpo_tis": {"algo.loss": "grpo", "algo.routing_replay": "none", "algo.mismatch": "tis"},
+    # The geometric band of the mismatch studies' examples, [0.999, 1.001]: MIS's default
+    # [0, 2] never masked in the 128-expert grid (the largest geometric ratio was 1.106, the
+    # lower end 0 cannot act), so that arm duplicated plain GRPO (issue 51). The fire rate
+    # (mis_masked_frac in summary.csv) says how often this one acts.
     "grpo_mis_geometric": {
         "algo.loss": "grpo",
         "algo.routing_replay": "none",
         "algo.mismatch": "mis",
         "algo.mismatch_level": "geometric",
+        "algo.mismatch_lower": GEOMETRIC_BAND[0],
+        "algo.mismatch_upper": GEOMETRIC_BAND[1],
     },
     # both at once: token TIS masked by the geometric band, the recipe that kept the public
     # Qwen3-30B-A3B runs of the mismatch studies from collapsing
@@ -84,6 +94,8 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
         "algo.routing_replay": "none",
         "algo.mismatch": "tis",
         "algo.mismatch_mask_level": "geometric",
+        "algo.mismatch_mask_lower": GEOMETRIC_BAND[0],
+        "algo.mismatch_mask_upper": GEOMETRIC_BAND[1],
     },
 }
 

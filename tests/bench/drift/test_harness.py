@@ -254,6 +254,12 @@ def test_default_grid_plans_the_papers_regime():
     assert fp8 == {"grpo", "grpo_r2", "grpo_r3", "gspo"} | corrections
     combined = next(r for r in grid.runs if r.arm == "grpo_tis_mis_geometric").recipe.algo
     assert combined.correction().mask.level == "geometric" and combined.mismatch == "tis"
+    # both geometric bands are the mismatch studies' narrow one: MIS's default [0, 2] never acts
+    mis = next(r for r in grid.runs if r.arm == "grpo_mis_geometric").recipe.algo.correction()
+    for band in (mis, combined.correction().mask):
+        assert (band.lower, band.upper) == (0.999, 1.001)
+    plain_tis = next(r for r in grid.runs if r.arm == "grpo_tis").recipe.algo.correction()
+    assert plain_tis.mask is None and plain_tis.upper == 2.0
     # R3 and the corrections never run at the float32 engine, where they change nothing
     assert not any(
         engine(r) == "float32" and r.arm in fp8 - {"grpo", "grpo_r2", "gspo"} for r in grid.runs
