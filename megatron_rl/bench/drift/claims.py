@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl.bench.drift.stability import NOT_TESTED, all_hold, compare
+from megatron_rl.bench.drift.stability import NOT_TESTED, all_hold, compare, distinct
 from megatron_rl.bench.drift.uncertainty import FAIL, PASS
 
 STRONG_DRIFT = 0.05
@@ -320,13 +320,15 @@ def routing_causes_most_log_ratio(rows: list[Row]) -> Claim:
         f"replaying the old routing removes at least {ROUTING_SHARE:.0%} of its variance "
         "(paired, on the same micro-batch)."
     )
-    free = [
-        r
-        for r in rows
-        if _no_replay(r)
-        and r.get("model") == MAIN_MODEL
-        and r.get("log_ratio_var_share_pooled") is not None
-    ]
+    free = distinct(
+        [
+            r
+            for r in rows
+            if _no_replay(r)
+            and r.get("model") == MAIN_MODEL
+            and r.get("log_ratio_var_share_pooled") is not None
+        ]
+    )
     if not free:
         return Claim(
             4,
@@ -593,7 +595,7 @@ def near_ties_predict_layer_drift(rows: list[Row]) -> Claim:
         f"{RANK_CORRELATION:g}. Per model: a softmax router's scores and a sigmoid router's "
         "are on different scales, so one absolute threshold ranks them apart."
     )
-    free = [r for r in rows if _no_replay(r) and r.get("model") in FINE_MODELS]
+    free = distinct([r for r in rows if _no_replay(r) and r.get("model") in FINE_MODELS])
     parts, holds, tested = [], True, []
     for model, model_rows in group_by(free, "model").items():
         ties, drift = [], []

@@ -70,6 +70,16 @@ def duplicates(pairs: list[tuple[Row, Row]]) -> bool:
     return True
 
 
+def distinct(rows: list[Row]) -> list[Row]:
+    """`rows` less each run that repeats an earlier one of the same cell, model and seed (the two
+    `duplicates`): arms that computed the same thing count once where runs are pooled."""
+    kept: list[Row] = []
+    for row in rows:
+        if not any(_pair_key(k) == _pair_key(row) and duplicates([(row, k)]) for k in kept):
+            kept.append(row)
+    return kept
+
+
 @dataclass(frozen=True)
 class Stability:
     """The paired comparison of a candidate arm's runs with a reference arm's."""

@@ -169,6 +169,10 @@ def test_routing_causes_most_log_ratio_on_the_main_model():
     assert verdict(claims.routing_causes_most_log_ratio, half_off) == "FAIL"
     tiny = [r | {"model": "tiny"} for r in rows]
     assert verdict(claims.routing_causes_most_log_ratio, tiny) == "NOT TESTED"
+    # GSPO-token computing what GSPO computed counts once, not twice
+    token = [r | {"arm": "gspo_token"} for r in half_off if r["arm"] == "gspo"]
+    pooled = claims.routing_causes_most_log_ratio(half_off + token).evidence
+    assert "mean of 6 runs" in pooled
 
 
 def test_gspo_clips_far_more_needs_ten_times_grpo():

@@ -9,6 +9,7 @@ from megatron_rl.bench.drift.stability import (
     ACCURACY_MARGIN,
     all_hold,
     compare,
+    distinct,
     duplicates,
     paired_runs,
 )
@@ -115,3 +116,12 @@ def test_under_two_pairs_nothing_is_decided():
 )
 def test_a_claim_needing_several_verdicts_holds_only_when_all_do(verdicts, expected):
     assert all_hold(verdicts) == expected
+
+
+def test_distinct_keeps_the_first_of_runs_that_computed_the_same_thing():
+    first = runs([0.7, 0.71])
+    again = [r | {"arm": "again"} for r in runs([0.7, 0.71])]
+    other_seed = runs([0.7], reward=0.5)[0] | {"seed": 5}
+    different = runs([0.7, 0.9])
+    kept = distinct(first + again + [other_seed] + different[1:])
+    assert kept == [*first, other_seed, different[1]]
