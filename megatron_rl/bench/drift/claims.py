@@ -16,6 +16,9 @@ on synthetic rows in both directions. The thresholds are fixed here, before any 
   (`log_ratio_var_share_pooled` >= 0.5);
 - `RANK_CORRELATION`: the near-tie share "predicts" a layer's drift if their Spearman rank
   correlation over (run, layer) pairs is at least 0.5;
+- `PRECURSOR_FALSE_ALARMS`: a precursor rule tells a collapse coming only if it fires in at most
+  10% of the runs that never collapse (summary.py's `false_alarm`); otherwise claim 15 is NOT
+  TESTED;
 - `MOE_K3`: the MoE mismatch regime is a k3 KL between engine and trainer log-probs of at least
   1e-3 (the R3 paper reports ~1.5e-3 for MoE models).
 "As stable as" is decided in stability.py: paired over seeds, final accuracy's 95% interval
@@ -49,6 +52,7 @@ REPLAY_TIME_OVERHEAD = 0.10
 ROUTING_SHARE = 0.5
 RANK_CORRELATION = 0.5
 MOE_K3 = 1e-3
+PRECURSOR_FALSE_ALARMS = 0.1
 
 # The grid's models (grid.DEFAULT_GRID): both fine-grained ones at 128 experts, so that claim 17
 # compares the router kinds at one expert count.
@@ -630,11 +634,24 @@ def near_ties_predict_layer_drift(rows: list[Row]) -> Claim:
 def precursor_before_collapse(rows: list[Row]) -> Claim:
     statement = (
         "A precursor comes before every collapse: in every run with a collapse event, gradient "
-        "norm, drift, mismatch or entropy moved beyond its early range before the first event."
+        "norm, drift, mismatch or entropy moved beyond its early range before the first event, "
+        f"and the same rule fires in at most {PRECURSOR_FALSE_ALARMS:.0%} of the runs that never "
+        "collapse."
     )
     collapsed = [r for r in rows if r["collapse_events"] > 0]
     if not collapsed:
         return Claim(15, statement, NOT_TESTED, "no run collapsed", _regime(rows))
+    calm = [r for r in rows if r["collapse_events"] == 0 and "false_alarm" in r]
+    alarms = Counter(r["false_alarm"] for r in calm if r["false_alarm"])
+    if not calm or sum(alarms.values()) > PRECURSOR_FALSE_ALARMS * len(calm):
+        fired = (
+            f"it fires in {sum(alarms.values())} of {len(calm)} runs that never collapse ("
+            + ", ".join(f"{name} {n}" for name, n in alarms.most_common())
+            + "): it cannot tell a collapse coming"
+            if calm
+            else "no run without a collapse measured the rule's false alarms"
+        )
+        return Claim(15, statement, NOT_TESTED, fired, _regime(rows))
     missing = [r["run_id"] for r in collapsed if not r.get("precursor")]
     found = Counter(r["precursor"] for r in collapsed if r.get("precursor"))
     evidence = f"{len(collapsed) - len(missing)} of {len(collapsed)} collapsed runs had one" + (
@@ -642,6 +659,7 @@ def precursor_before_collapse(rows: list[Row]) -> Claim:
     )
     if missing:
         evidence += "; none before the collapse in " + ", ".join(missing)
+    evidence += f"; false alarms in {sum(alarms.values())} of {len(calm)} runs that never collapse"
     return Claim(15, statement, FAIL if missing else PASS, evidence, _regime(rows))
 
 

@@ -21,6 +21,9 @@ before the first collapse step. A metric moves at the first step whose value is 
 `PRECURSOR_BASELINE` values (population standard deviation, floored at 1e-12 x |mean| + 1e-12 so
 that a flat baseline does not divide by zero). Ties go to the earlier metric in the order above;
 none if no metric moved or fewer than `PRECURSOR_BASELINE` values precede the collapse.
+A run without collapse events gets its **false alarm** instead: the metric the same rule finds
+moving anywhere in the run ("" if none), so that the rule's false-alarm rate is measured on the
+runs that never collapse (claims.py, claim 15).
 """
 
 from __future__ import annotations
@@ -217,8 +220,12 @@ def summarize_run(
         "first_collapse_step": None,
         "precursor": "",
         "precursor_step": None,
+        "false_alarm": None,
     }
-    if events:
+    if not events:
+        last_step = max((r["step"] for r in steps), default=0)
+        row["false_alarm"] = collapse_precursor(records, last_step + 1)[0]
+    else:
         first_collapse = min(step for step, _ in events)
         precursor, precursor_step = collapse_precursor(records, first_collapse)
         row |= {

@@ -46,6 +46,7 @@ def row(arm: str, seed: int = 1, cell: str = "base", **values) -> dict:
         "layers": 8,
         "collapse_events": 0,
         "precursor": "",
+        "false_alarm": "",
         "final_accuracy": 0.7 + 0.01 * seed + 0.001 * arm_index * (seed % 2),
         "reward_mean": 0.5 + 0.001 * arm_index,
         "update_activated": drift,
@@ -370,6 +371,17 @@ def test_every_collapse_needs_a_precursor():
     claim = claims.precursor_before_collapse(silent)
     assert claim.verdict == "FAIL" and rows[0]["run_id"] in claim.evidence
     assert verdict(claims.precursor_before_collapse, arms("grpo", "grpo_r2")) == "NOT TESTED"
+    # a rule that also fires in a third of the runs that never collapse tells nothing
+    calm = [r for r in rows if r["arm"] == "grpo_r2"]
+    alarmed = [r for r in rows if r["arm"] == "grpo"] + [calm[0] | {"false_alarm": "drift"}]
+    claim = claims.precursor_before_collapse(alarmed + calm[1:])
+    assert claim.verdict == "NOT TESTED" and "fires in 1 of 3 runs that never collapse" in (
+        claim.evidence
+    )
+    assert "false alarms in 0 of 3" in claims.precursor_before_collapse(rows).evidence
+    unmeasured = [{k: v for k, v in r.items() if k != "false_alarm"} for r in rows]
+    claim = claims.precursor_before_collapse(unmeasured)
+    assert claim.verdict == "NOT TESTED" and "false alarms" in claim.evidence
 
 
 def dense_rows(lr: float = 2e-4) -> list[dict]:

@@ -82,6 +82,8 @@ def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
         assert "update_activated_layer_3" in row and "near_tie_layer_0" in row
         # after the last of the step's updates the weights have moved furthest from the old ones
         assert float(row["since_old_last_activated"]) >= 0
+        # no collapse: the precursor rule's false alarm is measured (2 steps: no baseline, none)
+        assert row["collapse_events"] == "0" and row["false_alarm"] == ""
     for arm in ("grpo_r2", "gspo"):
         steps = [
             json.loads(line)
