@@ -15,7 +15,7 @@ on synthetic rows in both directions. The thresholds are fixed here, before any 
   removes at least half of its variance, pooled over a run's steps
   (`log_ratio_var_share_pooled` >= 0.5);
 - `RANK_CORRELATION`: the near-tie share "predicts" a layer's drift if their Spearman rank
-  correlation over (run, layer) pairs is at least 0.5;
+  correlation over the layers (each a mean over runs) is at least 0.5;
 - `PRECURSOR_FALSE_ALARMS`: a precursor rule tells a collapse coming only if it fires in at most
   10% of the runs that never collapse (summary.py's `false_alarm`); otherwise claim 15 is NOT
   TESTED;
@@ -593,32 +593,33 @@ def frozen_router_as_stable_and_cheaper(rows: list[Row]) -> Claim:
 
 def near_ties_predict_layer_drift(rows: list[Row]) -> Claim:
     statement = (
-        "The near-tie share predicts a layer's drift: over (run, layer) pairs of each "
-        "fine-grained model's runs without replay, the share of top-k margins below 1e-3 and the "
-        f"share of activated experts changed per update have a Spearman rank correlation >= "
-        f"{RANK_CORRELATION:g}. Per model: a softmax router's scores and a sigmoid router's "
-        "are on different scales, so one absolute threshold ranks them apart."
+        "The near-tie share predicts a layer's drift: over the layers of each fine-grained "
+        "model, the share of top-k margins below 1e-3 and the share of activated experts changed "
+        f"per update (each a layer's mean over the runs without replay) have a Spearman rank "
+        f"correlation >= {RANK_CORRELATION:g}. Per model: a softmax router's scores and a "
+        "sigmoid router's are on different scales, so one absolute threshold ranks them apart. "
+        "One point per layer: a run's layers are not independent of each other, nor are seeds "
+        "of one arm of its layers."
     )
     free = distinct([r for r in rows if _no_replay(r) and r.get("model") in FINE_MODELS])
     parts, holds, tested = [], True, []
     for model, model_rows in group_by(free, "model").items():
         ties, drift = [], []
-        for row in model_rows:
-            for layer in _layer_columns([row], "near_tie_layer_"):
-                tie, changed = (
-                    row.get(f"near_tie_layer_{layer}"),
-                    row.get(f"update_activated_layer_{layer}"),
-                )
-                if tie is not None and changed is not None:
-                    ties.append(tie)
-                    drift.append(changed)
+        for layer in _layer_columns(model_rows, "near_tie_layer_"):
+            tie = _mean(model_rows, f"near_tie_layer_{layer}")
+            changed = _mean(model_rows, f"update_activated_layer_{layer}")
+            if tie is not None and changed is not None:
+                ties.append(tie)
+                drift.append(changed)
         rho = spearman(ties, drift)
         if rho is None:
-            parts.append(f"{model}: no varying pairs ({len(ties)})")
+            parts.append(f"{model}: no varying layers ({len(ties)})")
             continue
         tested += model_rows
         holds &= rho >= RANK_CORRELATION
-        parts.append(f"{model}: Spearman {rho:.2f} over {len(ties)} (run, layer) pairs")
+        parts.append(
+            f"{model}: Spearman {rho:.2f} over {len(ties)} layers (means of {len(model_rows)} runs)"
+        )
     if not tested:
         return Claim(
             14,
