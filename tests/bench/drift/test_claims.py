@@ -159,6 +159,12 @@ def test_tails_fatten_without_replay_fails_when_replay_has_the_fatter_tail():
     assert verdict(claims.tails_fatten_without_replay, rows) == "PASS"
     swapped = change(rows, "grpo_r2", **{"log_ratio_outside_0.8_1.25": 0.02})
     assert verdict(claims.tails_fatten_without_replay, swapped) == "FAIL"
+    # larger in two seeds of three, smaller in the third: not decided
+    mixed = [
+        r | {"log_ratio_abs_max": 0.3} if r["arm"] == "grpo" and r["seed"] == 3 else r for r in rows
+    ]
+    claim = claims.tails_fatten_without_replay(mixed)
+    assert claim.verdict == "INCONCLUSIVE" and "paired difference +0.2667" in claim.evidence
     assert verdict(claims.tails_fatten_without_replay, arms("grpo")) == "NOT TESTED"
 
 
