@@ -32,11 +32,14 @@ WANDB = "wandb==0.31.0"
 MATPLOTLIB = "matplotlib==3.11.2"
 
 EXTRAS_REQUIRE = {
-    # What scripts/test.sh installs: the test runner and its per-test time limit, property
-    # tests, the linter, wandb and matplotlib (the drift benchmark's test draws its plots).
+    # What scripts/test.sh installs: the test runner, its per-test time limit and its worker
+    # processes (xdist: the suite runs on both cores), property tests, the linter, wandb and
+    # matplotlib (the drift benchmark's test draws its plots).
     "test": [
         "pytest==9.2.0",
         "pytest-timeout==2.4.0",
+        "pytest-xdist==3.8.0",
+        "execnet==2.1.2",
         "hypothesis==6.170.17",
         "ruff==0.17.6",
         WANDB,

@@ -10,4 +10,6 @@ bash "$repo_root/scripts/install_slurm.sh"
 cd "$repo_root"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest "$@"
+# Two worker processes, one per core of the CI machine: most tests compute on one thread
+# (tests/conftest.py), and tests/conftest.py keeps those that share servers on one worker.
+exec .venv/bin/python -m pytest -n 2 --dist loadgroup "$@"
