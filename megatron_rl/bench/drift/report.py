@@ -17,12 +17,12 @@ from typing import Any
 # The object-oriented API without pyplot: figures drawn straight to files, no display backend.
 from matplotlib.figure import Figure
 
-from megatron_rl.bench.drift.claims import (
+from megatron_rl.bench.drift.claims import check_claims
+from megatron_rl.bench.drift.claims.common import (
     ENGINE_DTYPES,
     REGIME_METRIC,
     STRONG_DRIFT,
     Claim,
-    check_claims,
     group_by,
     machine_counts,
 )
@@ -208,7 +208,7 @@ def _cell_table(rows: list[Row]) -> list[str]:
 
 
 def _no_replay(row: Row) -> bool:
-    """Routers that choose freely and are trained (claims.py's runs without replay)."""
+    """Routers that choose freely and are trained (claims/common.py's runs without replay)."""
     frozen = row.get("freeze_router")
     return row["routing_replay"] == "none" and not (frozen is True or str(frozen) in ("True", "1"))
 

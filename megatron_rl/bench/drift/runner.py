@@ -212,7 +212,7 @@ def _run_task(
             "returncode": code,
             "seconds": round(seconds, 1),
             "error": "" if code == 0 else error,
-            # a grid resumed elsewhere mixes machines: the time claims say so (claims.py)
+            # a grid resumed elsewhere mixes machines: the time claims say so (claims/)
             "machine": cpu_model(),
         }
         write_text_atomic(directory / "status.json", json.dumps(status, indent=1) + "\n")

@@ -3,7 +3,7 @@
 Seed k of every arm sees the same prompts, minibatch order and engine seeds, so two arms are
 compared run by run: each candidate run against the reference run of the same cell, model and
 seed (a blocked design: the seed's and the cell's own effects cancel). The decision is made here,
-once, for every stability claim (claims.py), from two measures fixed before the grid's rerun:
+once, for every stability claim (claims/), from two measures fixed before the grid's rerun:
 - final held-out accuracy, candidate minus reference: its paired 95% interval against the
   non-inferiority margin `ACCURACY_MARGIN` (uncertainty.at_least_verdict at -margin);
 - collapses: the runs with a collapse event, compared by the exact test stratified by cell

@@ -23,7 +23,7 @@ that a flat baseline does not divide by zero). Ties go to the earlier metric in 
 none if no metric moved or fewer than `PRECURSOR_BASELINE` values precede the collapse.
 A run without collapse events gets its **false alarm** instead: the metric the same rule finds
 moving anywhere in the run ("" if none), so that the rule's false-alarm rate is measured on the
-runs that never collapse (claims.py, claim 15).
+runs that never collapse (claims/training.py, claim 15).
 """
 
 from __future__ import annotations

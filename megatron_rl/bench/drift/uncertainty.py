@@ -122,6 +122,71 @@ def at_least_verdict(interval: Interval, threshold: float) -> str:
 
 
 @dataclass(frozen=True)
+class Effect:
+    """A claim's measured effect: the mean of paired observations (per-seed differences between
+    two arms, or one arm's per-seed values) with its interval, against a `threshold` fixed before
+    the runs; the smallest distance from the mean that the design detects, and the paired seeds
+    that would decide the claim were the true effect what was measured (None: over 1000, or a
+    mean on the threshold)."""
+
+    label: str
+    interval: Interval
+    threshold: float
+    detectable: float
+    seeds_needed: int | None
+
+    def at_least(self) -> str:
+        """PASS when the interval lies at or above the threshold, FAIL below, else INCONCLUSIVE."""
+        return at_least_verdict(self.interval, self.threshold)
+
+    def above(self) -> str:
+        """PASS when the interval lies strictly above the threshold, FAIL when none of it does,
+        else INCONCLUSIVE (a claim that one arm's value is larger: threshold 0)."""
+        if self.interval.low > self.threshold:
+            return PASS
+        if self.interval.high <= self.threshold:
+            return FAIL
+        return INCONCLUSIVE
+
+    def below(self) -> str:
+        """The reverse of `at_least`: the effect is under the threshold."""
+        return {PASS: FAIL, FAIL: PASS}.get(self.at_least(), INCONCLUSIVE)
+
+    def __str__(self) -> str:
+        seeds = "over 1000" if self.seeds_needed is None else str(self.seeds_needed)
+        return (
+            f"{self.label} {self.interval} against {self.threshold:.4g}, detectable "
+            f"{self.detectable:.3g}, seeds to decide {seeds}"
+        )
+
+
+def effect(
+    label: str, observations: Sequence[float], threshold: float, level: float = LEVEL
+) -> Effect | None:
+    """The `Effect` of `observations` ([pairs]: one per seed, or per paired run) against
+    `threshold`; None under 2 observations."""
+    if len(observations) < 2:
+        return None
+    interval = paired_interval(observations, [0.0] * len(observations), level)
+    spread = statistics.stdev(observations)
+    return Effect(
+        label,
+        interval,
+        threshold,
+        detectable_difference(spread, len(observations), level),
+        seeds_to_detect(spread, abs(interval.estimate - threshold), level),
+    )
+
+
+def zero_event_bound(runs: int, level: float = LEVEL) -> float:
+    """The exact one-sided `level` upper bound of an event rate after 0 events in `runs`
+    independent runs: the rate p at which (1 - p)^runs = 1 - level (3 of 3 calm runs: 63%)."""
+    if runs < 1:
+        raise ValueError(f"runs: expected at least 1, got {runs}")
+    return 1 - (1 - level) ** (1 / runs)
+
+
+@dataclass(frozen=True)
 class Stratum:
     """One cell's event counts: `events_a` of `runs_a` runs of arm A, the same for arm B."""
 

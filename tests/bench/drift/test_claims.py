@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.bench.drift import claims, stability
+from megatron_rl.bench.drift.claims import common, routing
 from megatron_rl.bench.drift.summary import collapse_events, collapse_precursor
 
 # arm -> (loss, routing_replay, mismatch, freeze_router)
@@ -87,6 +88,11 @@ def same_as(rows: list[dict], arm: str, other: str) -> list[dict]:
     ]
 
 
+def by_seed(rows: list[dict], column: str, values: dict[int, float], arm: str | None = None):
+    """`rows` with `column` set to values[seed] (in the rows of `arm`, or in all)."""
+    return [r | {column: values[r["seed"]]} if arm is None or r["arm"] == arm else r for r in rows]
+
+
 def verdict(check, rows) -> str:
     return check(rows).verdict
 
@@ -98,11 +104,11 @@ def test_regime_is_the_share_of_activated_experts_changed_since_the_old_policy()
         "the runs without replay, model fine_qwen3_e128, engine float32)"
     )
     two_models = arms("grpo") + arms("grpo", cell="m", model="fine_deepseek_e128")
-    assert "model" not in claims._regime(two_models)
+    assert "model" not in common.regime_of(two_models)
     per_update = change(arms("grpo"), "grpo", update_activated=0.5)  # not the regime's measure
-    assert claims._regime(per_update).startswith("2.00%")
+    assert common.regime_of(per_update).startswith("2.00%")
     old = [r | {"update_activated": None, "since_old_activated": None} for r in arms("grpo")]
-    assert claims._regime(old) == (
+    assert common.regime_of(old) == (
         "2.00% token-layer drift per step (mean of the runs without replay)"
     )
 
@@ -111,8 +117,8 @@ def test_grpo_arm_leaves_out_frozen_routers_and_reads_a_missing_flag_as_trained(
     frozen = arms("grpo_frozen_router", "grpo_r2")
     assert verdict(claims.tails_fatten_without_replay, frozen) == "NOT TESTED"
     unflagged = [{k: v for k, v in r.items() if k != "freeze_router"} for r in arms("grpo")]
-    assert all(claims.GRPO(r) for r in unflagged)
-    assert claims.GRPO_FROZEN(row("grpo_frozen_router") | {"freeze_router": "True"})
+    assert all(common.GRPO(r) for r in unflagged)
+    assert common.GRPO_FROZEN(row("grpo_frozen_router") | {"freeze_router": "True"})
 
 
 def test_the_dense_controls_runs_have_no_routing_to_drift():
@@ -152,6 +158,10 @@ def test_later_layers_drift_more_on_the_main_model():
     assert verdict(claims.later_layers_drift_more, layer_rows(layers=[3])) == "NOT TESTED"
     off_base = [r | {"cell": "lr=4e-4"} for r in layer_rows()]
     assert verdict(claims.later_layers_drift_more, off_base) == "NOT TESTED"
+    # later layers drift more in two seeds, less in the third: the interval over seeds spans 0
+    mixed = layer_rows()[:2] + layer_rows(later=False)[2:3] + layer_rows()[3:]
+    claim = claims.later_layers_drift_more(mixed)
+    assert claim.verdict == "INCONCLUSIVE" and "(95%, n=3)" in claim.evidence
 
 
 def test_tails_fatten_without_replay_fails_when_replay_has_the_fatter_tail():
@@ -164,7 +174,10 @@ def test_tails_fatten_without_replay_fails_when_replay_has_the_fatter_tail():
         r | {"log_ratio_abs_max": 0.3} if r["arm"] == "grpo" and r["seed"] == 3 else r for r in rows
     ]
     claim = claims.tails_fatten_without_replay(mixed)
-    assert claim.verdict == "INCONCLUSIVE" and "paired difference +0.2667" in claim.evidence
+    assert (
+        claim.verdict == "INCONCLUSIVE"
+        and "max |log w| without replay - with R2 +0.2667" in claim.evidence
+    )
     assert verdict(claims.tails_fatten_without_replay, arms("grpo")) == "NOT TESTED"
 
 
@@ -179,7 +192,10 @@ def test_routing_causes_most_log_ratio_on_the_main_model():
     # GSPO-token computing what GSPO computed counts once, not twice
     token = [r | {"arm": "gspo_token"} for r in half_off if r["arm"] == "gspo"]
     pooled = claims.routing_causes_most_log_ratio(half_off + token).evidence
-    assert "mean of 6 runs" in pooled
+    assert "(6 distinct runs)" in pooled
+    spread = by_seed(rows, "log_ratio_var_share_pooled", {1: 0.9, 2: 0.6, 3: 0.3})
+    claim = claims.routing_causes_most_log_ratio(spread)  # mean 60%, three seeds far apart
+    assert claim.verdict == "INCONCLUSIVE" and "against 0.5" in claim.evidence
 
 
 def test_gspo_clips_far_more_needs_ten_times_grpo():
@@ -187,6 +203,15 @@ def test_gspo_clips_far_more_needs_ten_times_grpo():
     assert verdict(claims.gspo_clips_far_more, rows) == "PASS"
     close = [r | {"clip_frac_token": 0.05} if r["loss"] == "grpo" else r for r in rows]
     assert verdict(claims.gspo_clips_far_more, close) == "FAIL"
+    # 100x, 100x and 2x: the geometric mean's interval spans 10x
+    spread = by_seed(rows, "clip_frac_token", {1: 0.2, 2: 0.2, 3: 0.004}, arm="gspo")
+    claim = claims.gspo_clips_far_more(spread)
+    assert claim.verdict == "INCONCLUSIVE" and "against 1" in claim.evidence
+    # on-policy cells clip nothing: left out, and said
+    on_policy = arms("gspo", "grpo", cell="on", clip_frac_token=0.0)
+    claim = claims.gspo_clips_far_more(rows + on_policy)
+    assert claim.verdict == "PASS" and "3 where one clipped none left out" in claim.evidence
+    assert verdict(claims.gspo_clips_far_more, on_policy) == "NOT TESTED"
     assert verdict(claims.gspo_clips_far_more, arms("grpo")) == "NOT TESTED"
 
 
@@ -229,7 +254,7 @@ def test_on_policy_claim_needs_both_halves():
 def test_engine_logprobs_claim_needs_stability_and_a_saving():
     rows = arms("gspo", "gspo_engine_logp")
     claim = claims.engine_logprobs_suffice(rows)
-    assert claim.verdict == "PASS" and "0.200 s per step" in claim.evidence
+    assert claim.verdict == "PASS" and "time saved, s per step +0.2 " in claim.evidence
     no_saving = [r | {"old_logprob_s": 0.2} for r in rows]
     assert verdict(claims.engine_logprobs_suffice, no_saving) == "FAIL"
     unstable = change(rows, "gspo_engine_logp", collapse_events=1)
@@ -312,6 +337,9 @@ def test_r3_cuts_the_engine_mismatch_with_a_low_precision_engine():
     assert verdict(claims.r3_cuts_engine_mismatch, same_routing) == "FAIL"
     float32 = [r | {"engine_dtype": "float32"} for r in rows]
     assert verdict(claims.r3_cuts_engine_mismatch, float32) == "NOT TESTED"
+    # lower with R3 in two seeds, higher in the third
+    mixed = by_seed(rows, "mismatch_k3", {1: 1e-4, 2: 1e-4, 3: 4e-3}, arm="grpo_r3")
+    assert verdict(claims.r3_cuts_engine_mismatch, mixed) == "INCONCLUSIVE"
 
 
 def test_frozen_router_needs_stability_and_shorter_steps():
@@ -319,6 +347,9 @@ def test_frozen_router_needs_stability_and_shorter_steps():
     assert verdict(claims.frozen_router_as_stable_and_cheaper, rows) == "PASS"
     slower = change(rows, "grpo_frozen_router", step_s=1.3)
     assert verdict(claims.frozen_router_as_stable_and_cheaper, slower) == "FAIL"
+    mixed = by_seed(rows, "step_s", {1: 1.0, 2: 1.0, 3: 1.5}, arm="grpo_frozen_router")
+    claim = claims.frozen_router_as_stable_and_cheaper(mixed)
+    assert claim.verdict == "INCONCLUSIVE" and "step time, s +0.03333" in claim.evidence
     collapsing = change(rows, "grpo_frozen_router", collapse_events=1)
     assert verdict(claims.frozen_router_as_stable_and_cheaper, collapsing) == "FAIL"
     no_frozen = arms("grpo", "grpo_r2")
@@ -326,12 +357,12 @@ def test_frozen_router_needs_stability_and_shorter_steps():
 
 
 def test_spearman_uses_average_ranks_for_ties():
-    assert claims.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
-    assert claims.spearman([1, 2, 3], [3, 1, 0]) == pytest.approx(-1.0)
+    assert routing.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert routing.spearman([1, 2, 3], [3, 1, 0]) == pytest.approx(-1.0)
     # ranks 1, 2.5, 2.5, 4 against 1..4: 4.5 / sqrt(4.5 x 5)
-    assert claims.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
-    assert claims.spearman([1, 1, 1], [1, 2, 3]) is None
-    assert claims.spearman([1], [1]) is None
+    assert routing.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
+    assert routing.spearman([1, 1, 1], [1, 2, 3]) is None
+    assert routing.spearman([1], [1]) is None
 
 
 def tie_rows(predicts: bool = True, model: str = "fine_qwen3_e128") -> list[dict]:
@@ -407,6 +438,8 @@ def dense_rows(lr: float = 2e-4) -> list[dict]:
 
 def test_dense_control_does_not_collapse_at_the_main_learning_rate():
     assert verdict(claims.dense_control_does_not_collapse, dense_rows()) == "PASS"
+    claim = claims.dense_control_does_not_collapse(dense_rows())
+    assert "0 of 6 dense_control runs collapsed (its collapse rate is below 39%" in claim.evidence
     collapsed = [
         r | {"collapse_events": 1} if r["model"] == "dense_control" and r["seed"] == 2 else r
         for r in dense_rows()
@@ -445,6 +478,12 @@ def test_sigmoid_routers_drift_more_per_arm_at_equal_settings():
     assert verdict(claims.sigmoid_routers_drift_more, unequal) == "NOT TESTED"
     deeper = model_rows(layers=12)
     assert verdict(claims.sigmoid_routers_drift_more, deeper) == "NOT TESTED"
+    # more in two seeds, less in the third
+    rows = by_seed(model_rows(), "update_activated", {1: 0.2, 2: 0.2, 3: 0.0})
+    rows = [
+        r if r["model"] == "fine_deepseek_e128" else r | {"update_activated": 0.06} for r in rows
+    ]
+    assert verdict(claims.sigmoid_routers_drift_more, rows) == "INCONCLUSIVE"
 
 
 def precision_rows(k3: dict[str, float], routing: dict[str, float]) -> list[dict]:
@@ -471,6 +510,15 @@ def test_engine_precision_orders_the_mismatch():
     assert verdict(claims.engine_precision_orders_mismatch, rows) == "FAIL"
     flat = routing | {"bfloat16": 0.0}
     assert verdict(claims.engine_precision_orders_mismatch, precision_rows(k3, flat)) == "FAIL"
+    # bfloat16 above float32 in two seeds, equal in the third
+    rows = [
+        r | {"mismatch_k3": 1e-3 if r["seed"] < 3 else 0.0}
+        if r["engine_dtype"] == "bfloat16"
+        else r
+        for r in precision_rows(k3, routing)
+    ]
+    claim = claims.engine_precision_orders_mismatch(rows)
+    assert claim.verdict == "INCONCLUSIVE" and "k3 bfloat16 - float32 +0.0006667" in claim.evidence
     two = {d: v for d, v in k3.items() if d != "bfloat16"}
     rows = precision_rows(two, routing)
     assert verdict(claims.engine_precision_orders_mismatch, rows) == "NOT TESTED"
@@ -484,6 +532,8 @@ def test_float8_engine_reaches_the_moe_mismatch_regime():
     assert verdict(claims.float8_reaches_moe_mismatch, small) == "PASS"
     smaller = change(small, "grpo_tis", mismatch_k3=1.5e-3)  # 8.5e-4
     assert verdict(claims.float8_reaches_moe_mismatch, smaller) == "FAIL"
+    spread = by_seed(rows, "mismatch_k3", {1: 3e-3, 2: 2e-3, 3: 1e-4})
+    assert verdict(claims.float8_reaches_moe_mismatch, spread) == "INCONCLUSIVE"
     float32 = [r | {"engine_dtype": "float32"} for r in rows]
     assert verdict(claims.float8_reaches_moe_mismatch, float32) == "NOT TESTED"
 
@@ -526,6 +576,10 @@ def test_main_regime_holds_at_five_percent():
     assert verdict(claims.main_regime_holds, weak) == "FAIL"
     tiny = [r | {"model": "tiny"} for r in rows]
     assert verdict(claims.main_regime_holds, tiny) == "NOT TESTED"
+    spread = by_seed(rows, "since_old_activated", {1: 0.09, 2: 0.06, 3: 0.02})
+    assert verdict(claims.main_regime_holds, spread) == "INCONCLUSIVE"
+    one_seed = [r for r in rows if r["seed"] == 1]
+    assert verdict(claims.main_regime_holds, one_seed) == "NOT TESTED"
 
 
 def test_check_claims_numbers_all_21_and_leaves_out_unfinished_runs():

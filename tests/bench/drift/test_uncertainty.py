@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import statistics
 
 import pytest
 
@@ -18,11 +19,13 @@ from megatron_rl.bench.drift.uncertainty import (
     Stratum,
     at_least_verdict,
     detectable_difference,
+    effect,
     paired_interval,
     seeds_to_detect,
     stratified_exact_p,
     student_t_cdf,
     student_t_quantile,
+    zero_event_bound,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -121,3 +124,33 @@ def test_cells_combine_as_a_brute_force_count_says():
 def test_counts_outside_their_runs_are_refused():
     with pytest.raises(ValueError, match=r"events_b: expected 0..runs_b \(3\), got 4"):
         Stratum(1, 3, 4, 3)
+
+
+def test_an_effect_is_the_interval_of_its_observations_against_its_threshold():
+    observations = [0.12, 0.08, 0.10, 0.11]
+    spread = statistics.stdev(observations)
+    measured = effect("share", observations, 0.05)
+    assert measured.interval == paired_interval(observations, [0.0] * 4)
+    assert measured.detectable == pytest.approx(detectable_difference(spread, 4))
+    # the seeds that decide it: the fewest whose detectable difference is the distance measured
+    assert measured.seeds_needed == seeds_to_detect(spread, 0.1025 - 0.05)
+    assert measured.at_least() == measured.above() == PASS and measured.below() == FAIL
+    assert str(measured).startswith("share +0.1025 [") and "against 0.05" in str(measured)
+    spanning = effect("share", [0.10, 0.00, 0.05], 0.05)
+    assert spanning.at_least() == spanning.above() == spanning.below() == INCONCLUSIVE
+    assert spanning.seeds_needed is None  # measured on the threshold: no number of seeds decides
+    assert effect("share", [0.1], 0.05) is None
+
+
+def test_above_is_strict_and_at_least_is_not():
+    on_threshold = effect("gap", [0.0, 0.0, 0.0], 0.0)
+    assert on_threshold.at_least() == PASS and on_threshold.above() == FAIL
+
+
+def test_the_zero_event_bound_is_the_rate_that_leaves_no_event_five_percent_of_the_time():
+    for runs in (1, 3, 9, 30):
+        rate = zero_event_bound(runs)
+        assert (1 - rate) ** runs == pytest.approx(0.05)
+    assert zero_event_bound(3) == pytest.approx(0.6316, abs=1e-4)
+    with pytest.raises(ValueError, match="runs: expected at least 1"):
+        zero_event_bound(0)
