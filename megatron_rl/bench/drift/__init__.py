@@ -3,7 +3,8 @@ losses) over a grid of arms x sweep points x seeds, with the literature's claims
 
 grid.py plans the runs from a recipe and a grid file; base_models.py builds models of other
 shapes; runner.py runs them (resumable, in parallel); summary.py turns each run's metrics into a
-row and counts collapse events; claims/ checks the claims on the rows; report.py writes
+row and counts collapse events; claims/ checks the claims on the rows (stability.py and
+uncertainty.py decide with what confidence); plots.py draws the figures; report.py writes
 summary.csv, the plots and report.md. docs/drift.md says how to read and run it.
 """
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from megatron_rl.bench.drift import report
+from megatron_rl.bench.drift import plots, report
 from megatron_rl.bench.drift.claims import Claim, check_claims
 from megatron_rl.bench.drift.summary import (
     PRECURSOR_Z,
@@ -263,35 +263,35 @@ def check_png(result, out, name: str) -> None:
 
 # plot, its file, and the grid-like data with its data taken away: (rows, curves) -> (rows, curves)
 CASES = {
-    "drift_vs_step": (report._plot_drift_vs_step, "drift_vs_step.png", lambda r, c: (r, {})),
+    "drift_vs_step": (plots._plot_drift_vs_step, "drift_vs_step.png", lambda r, c: (r, {})),
     "layers": (
-        report._plot_layers,
+        plots._plot_layers,
         "drift_layers.png",
         lambda r, c: (without(r, "update_activated_layer_"), c),
     ),
-    "curves": (report._plot_curves, "curves.png", lambda r, c: (r, {})),
+    "curves": (plots._plot_curves, "curves.png", lambda r, c: (r, {})),
     "margins": (
-        report._plot_margins,
+        plots._plot_margins,
         "margins.png",
         lambda r, c: (without(r, "routes_", "flip_rate_"), c),
     ),
     "mismatch": (
-        report._plot_mismatch,
+        plots._plot_mismatch,
         "mismatch_precision.png",
         lambda r, c: (without(r, "engine_routing_mismatch", "mismatch_k3"), c),
     ),
     "precursors": (
-        report._plot_precursors,
+        plots._plot_precursors,
         "collapse_precursors.png",
         lambda r, c: ([x | {"first_collapse_step": None} for x in r], c),
     ),
     "off_policy": (
-        report._plot_off_policy,
+        plots._plot_off_policy,
         "drift_off_policy.png",
         lambda r, c: ([x for x in r if x["updates_per_batch"] == 4], c),
     ),
-    "clip": (report._plot_clip, "clip_fractions.png", lambda r, c: ([], c)),
-    "tails": (report._plot_tails, "ratio_tails.png", lambda r, c: (without(r, "drift_token"), c)),
+    "clip": (plots._plot_clip, "clip_fractions.png", lambda r, c: ([], c)),
+    "tails": (plots._plot_tails, "ratio_tails.png", lambda r, c: (without(r, "drift_token"), c)),
 }
 
 
@@ -299,7 +299,7 @@ CASES = {
 def test_each_plot_writes_a_png_with_its_data_and_none_without(case, tmp_path):
     plot, name, take_away = CASES[case]
     rows, curves = grid_like()
-    assert plot in report.PLOTS
+    assert plot in plots.PLOTS
     check_png(plot(rows, curves, tmp_path), tmp_path, name)
     (tmp_path / name).unlink()
     assert plot(*take_away(rows, curves), tmp_path) is None
@@ -312,17 +312,17 @@ def test_drift_vs_step_falls_back_to_token_layer_drift(tmp_path):
         run: [{k: v for k, v in r.items() if k not in PROBE_DRIFT} for r in recs]
         for run, recs in curves.items()
     }
-    check_png(report._plot_drift_vs_step(rows, old, tmp_path), tmp_path, "drift_vs_step.png")
+    check_png(plots._plot_drift_vs_step(rows, old, tmp_path), tmp_path, "drift_vs_step.png")
     no_drift = {
         run: [{k: v for k, v in r.items() if not k.startswith("routing/")} for r in recs]
         for run, recs in curves.items()
     }
-    assert report._plot_drift_vs_step(rows, no_drift, tmp_path) is None
+    assert plots._plot_drift_vs_step(rows, no_drift, tmp_path) is None
 
 
 def test_the_depth_plot_needs_several_depths(tmp_path):
     rows, curves = grid_like()
-    assert report._plot_depth(rows, curves, tmp_path) is None  # every model has 8 layers
+    assert plots._plot_depth(rows, curves, tmp_path) is None  # every model has 8 layers
     shallow = [
         r | {"cell": "layers=4", "layers": 4, "model": "layers4-experts64-topk8"}
         for r in rows
@@ -331,14 +331,14 @@ def test_the_depth_plot_needs_several_depths(tmp_path):
     per_layer = [
         r | {f"drift_layer_{i}": 0.01 * (i + 1) for i in range(r["layers"])} for r in rows + shallow
     ]
-    check_png(report._plot_depth(per_layer, curves, tmp_path), tmp_path, "drift_depth.png")
+    check_png(plots._plot_depth(per_layer, curves, tmp_path), tmp_path, "drift_depth.png")
 
 
 def test_the_base_like_cells_share_the_base_points_updates_lr_and_engine():
     rows, _ = grid_like()
-    cells = {r["cell"] for r in report._at_base_except(rows, "layers")}
+    cells = {r["cell"] for r in plots._at_base_except(rows, "layers")}
     assert cells == {"base", "shape=fine_deepseek_e128", "shape=dense_control"}
-    cells = {r["cell"] for r in report._at_base_except(rows, "updates_per_batch")}
+    cells = {r["cell"] for r in plots._at_base_except(rows, "updates_per_batch")}
     assert cells == {"base", "shape=fine_deepseek_e128", "shape=dense_control"}  # all float32
 
 
@@ -361,19 +361,19 @@ def test_margin_buckets_pool_flips_over_routes_per_model_over_runs_without_repla
         margins("grpo_frozen_router", "m", (1000, 0, 0, 0), (1.0, None, None, None)),
         margins("grpo", "other", (0, 0, 5, 0), (None, None, 0.2, None)),
     ]
-    pooled = report.margin_buckets(rows)
+    pooled = plots.margin_buckets(rows)
     assert set(pooled) == {"m", "other"}
     shares, rates = pooled["m"]
     assert shares == pytest.approx([0.25, 0.25, 0.25, 0.25])
     assert rates == pytest.approx([8 / 40, 15 / 40, 3 / 40, 0.0])
     shares, rates = pooled["other"]
     assert shares == [0, 0, 1, 0] and math.isnan(rates[0]) and rates[2] == pytest.approx(0.2)
-    assert report.margin_buckets(rows[2:4]) == {}
+    assert plots.margin_buckets(rows[2:4]) == {}
 
 
 def test_off_policy_groups_rows_that_differ_only_in_updates_per_batch():
     rows, _ = grid_like()
-    groups = report.off_policy_groups(rows, "update_activated")
+    groups = plots.off_policy_groups(rows, "update_activated")
     # the float32 base point and the float8 point run 4 updates only: not a sweep
     assert list(groups) == [("fine_qwen3_e128", "bfloat16", LR)]
     assert {r["updates_per_batch"] for r in groups["fine_qwen3_e128", "bfloat16", LR]} == {
@@ -383,12 +383,12 @@ def test_off_policy_groups_rows_that_differ_only_in_updates_per_batch():
         8,
     }
     # drift: the papers' metric where the runs recorded it, else token-layer drift
-    assert report._drift_column(rows)[0] == "since_old_activated"
-    assert report._drift_column(without(rows, "since_old"))[0] == "drift_token_layer"
+    assert plots._drift_column(rows)[0] == "since_old_activated"
+    assert plots._drift_column(without(rows, "since_old"))[0] == "drift_token_layer"
     relearned = [r | {"lr": 2 * LR} if r["updates_per_batch"] == 8 else r for r in rows]
     assert {
         r["updates_per_batch"]
-        for r in report.off_policy_groups(relearned, "update_activated")[
+        for r in plots.off_policy_groups(relearned, "update_activated")[
             "fine_qwen3_e128", "bfloat16", LR
         ]
     } == {1, 2, 4}
@@ -397,15 +397,15 @@ def test_off_policy_groups_rows_that_differ_only_in_updates_per_batch():
 def test_precursor_z_scores_cross_the_threshold_where_the_summary_found_the_precursor():
     rows, curves = grid_like()
     row = next(r for r in rows if r["run_id"] == COLLAPSED)
-    z = report.z_scores(curves[COLLAPSED], ("grad_norm",), row["first_collapse_step"])
+    z = plots.z_scores(curves[COLLAPSED], ("grad_norm",), row["first_collapse_step"])
     assert min(step for step, value in z.items() if abs(value) > PRECURSOR_Z) == 7
     spread = math.sqrt(sum((0.01 * d) ** 2 for d in (-1, 0, 1, 2, -2)) / 5)  # steps 1-5
     assert z[3] == pytest.approx(0.01 / spread) and z[7] == pytest.approx((5 - 1) / spread)
     # the drift metric: the papers' one where recorded, else token-layer drift; both flat
-    drift = report.z_scores(curves[COLLAPSED], ("routing/update_activated_experts", "x"), 11)
+    drift = plots.z_scores(curves[COLLAPSED], ("routing/update_activated_experts", "x"), 11)
     assert drift and max(abs(v) for v in drift.values()) <= 1.5
-    assert report.z_scores(curves[COLLAPSED], ("absent",), 11) == {}
-    assert report.z_scores(curves[COLLAPSED], ("grad_norm",), 4) == {}  # no 5-step baseline
+    assert plots.z_scores(curves[COLLAPSED], ("absent",), 11) == {}
+    assert plots.z_scores(curves[COLLAPSED], ("grad_norm",), 4) == {}  # no 5-step baseline
 
 
 def test_the_precursor_plot_shows_at_most_six_runs(tmp_path):
@@ -414,7 +414,7 @@ def test_the_precursor_plot_shows_at_most_six_runs(tmp_path):
         r | {"first_collapse_step": 11, "precursor": "grad_norm", "precursor_step": 7}
         for r in rows[:7]
     ]
-    title, name = report._plot_precursors(collapsed, curves, tmp_path)
+    title, name = plots._plot_precursors(collapsed, curves, tmp_path)
     assert "the first 6 of 7" in title
     check_png((title, name), tmp_path, "collapse_precursors.png")
 
@@ -442,7 +442,7 @@ def test_every_plot_runs_on_an_old_tiny_grid(tmp_path):
         for run, recs in curves.items()
     }
     old_rows = [r | {"first_collapse_step": None} for r in old_rows]
-    written = {plot.__name__: plot(old_rows, old_curves, tmp_path) for plot in report.PLOTS}
+    written = {plot.__name__: plot(old_rows, old_curves, tmp_path) for plot in plots.PLOTS}
     assert {name for name, result in written.items() if result is not None} == {
         "_plot_drift_vs_step",
         "_plot_curves",
