@@ -1,13 +1,16 @@
 """How close each routing decision was to going the other way, and whether it did.
 
-A router chooses the top-k experts by a selection score: the softmax probability (softmax
-routers; the same order as the logits) or the sigmoid score plus the expert bias (DeepSeek-V3's
-routers). The *margin* of a (token, layer) is the k-th largest score less the (k+1)-th: how far
-the weakest chosen expert is ahead of the strongest one left out. Routes flip at near-ties
-(measured on the harness models: a third to a half of the routes with margin under 1e-4 flip
-after an update, almost none above 1e-2), so margins say where routing drift will come from.
-Group-limited routing (DeepSeek-V3's n_group) is measured over all experts: the margin is then a
-lower bound on how far the decision was from flipping.
+A router chooses the top-k experts by its selection scores, as megatron-core ranks them: the
+logits (softmax routers; softmax keeps their order), the softmax probabilities (pre-softmax
+routers), or the sigmoid score plus the expert bias (DeepSeek-V3's routers); group-limited
+routing (n_group) first keeps the groups whose top scores sum highest. The *margin* of a
+(token, layer) is how far the decision was from changing, in units that do not depend on the
+number of experts or the score function's scale (`decision_scores`): the gap between the weakest
+chosen expert and the strongest one left out, in logits for softmax routers (a log-probability
+ratio), and in standard deviations of the token's scores for the others; under group-limited
+routing the smaller of that gap within the kept groups and the gap between the last kept group
+and the first dropped one (a group-score tie flips routes whatever the experts' own gaps).
+Routes flip at small margins, so margins say where routing drift will come from.
 """
 
 from __future__ import annotations
@@ -20,19 +23,22 @@ from torch import Tensor
 
 from megatron_rl.algo.reductions import MetricDeclarations, Reduction
 
-NEAR_TIE = 1e-3
-"""A (token, layer) whose margin is below this is a near-tie (`margin/near_tie*`)."""
+NEAR_TIE = 0.01
+"""A (token, layer) whose margin is below this is a near-tie (`margin/near_tie*`): a hundredth
+of a logit, or of the token's score spread."""
 
-MARGIN_EDGES = (1e-4, 1e-3, 1e-2)
-"""Bucket edges of the flip rate by margin: [0, 1e-4), [1e-4, 1e-3), [1e-3, 1e-2), [1e-2, inf)."""
+MARGIN_EDGES = (1e-3, 1e-2, 1e-1, 1.0)
+"""Bucket edges of the flip rate by margin: [0, 1e-3), [1e-3, 1e-2), ..., [1, inf)."""
 
 MARGIN_METRICS: MetricDeclarations = {
     "margin/median": Reduction.MEAN,
     "margin/near_tie": Reduction.MEAN,
     "margin/near_tie_layer/*": Reduction.MEAN,
-    # counts, so that rates over a step, a run or a grid are sums over sums
+    # counts, so that rates over a step, a run or a grid are sums over sums; per layer too
     "margin/routes/*": Reduction.SUM,
     "margin/flips/*": Reduction.SUM,
+    "margin/routes_layer/*": Reduction.SUM,
+    "margin/flips_layer/*": Reduction.SUM,
 }
 
 
@@ -54,6 +60,49 @@ def selection_scores(
         scores = torch.sigmoid(logits)
         return scores if expert_bias is None else scores + expert_bias.float()
     raise ValueError(f"score_function: expected 'softmax' or 'sigmoid', got {score_function!r}")
+
+
+def decision_scores(
+    logits: Tensor,
+    *,
+    score_function: str,
+    expert_bias: Tensor | None = None,
+    pre_softmax: bool = False,
+    grouped: bool = False,
+) -> Tensor:
+    """`[tokens, experts]` router logits -> `[tokens, experts]` float32 scores that rank experts
+    (and, summed, groups) as megatron-core's top-k does, on a scale-free axis: the logits of a
+    softmax router (a gap is the log of the two experts' probability ratio), else the selection
+    scores over their standard deviation across the token's experts (sigmoid + bias; the
+    probabilities of a pre-softmax router with groups, whose group sums are over probabilities)."""
+    if score_function == "softmax" and not (pre_softmax and grouped):
+        return logits.float()
+    scores = selection_scores(logits, score_function=score_function, expert_bias=expert_bias)
+    spread = scores.std(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return scores / spread
+
+
+def decision_margins(
+    scores: Tensor, topk: int, num_groups: int | None = None, group_topk: int | None = None
+) -> Tensor:
+    """`[tokens, experts]` decision scores -> `[tokens]` margins (module docstring): the top-k
+    margin, or under group-limited routing (`group_topk` of `num_groups` groups, ranked by the sum
+    of their top topk // group_topk scores) the smaller of the group margin and the top-k margin
+    among the kept groups' experts."""
+    if not group_topk:
+        return topk_margins(scores, topk)
+    if not num_groups or scores.shape[-1] % num_groups:
+        raise ValueError(
+            f"num_groups: expected a divisor of the {scores.shape[-1]} experts, got {num_groups}"
+        )
+    tokens, experts = scores.shape
+    per_group = experts // num_groups
+    grouped = scores.view(tokens, num_groups, per_group)
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)  # [tokens, groups]
+    kept = torch.zeros_like(group_scores, dtype=torch.bool)
+    kept.scatter_(1, group_scores.topk(group_topk, dim=-1).indices, True)
+    eligible = scores.masked_fill(~kept.repeat_interleave(per_group, dim=1), -torch.inf)
+    return torch.minimum(topk_margins(group_scores, group_topk), topk_margins(eligible, topk))
 
 
 def topk_margins(scores: Tensor, topk: int) -> Tensor:
@@ -84,7 +133,8 @@ def margin_metrics(
     - `margin/near_tie`: the share of (token, layer) with margin below NEAR_TIE, and
       `margin/near_tie_layer/<i>` at model layer i (`layer_numbers`, by default 0, 1, ...);
     - `margin/routes/<bucket>`, `margin/flips/<bucket>`: (token, layer) pairs with a margin in
-      each bucket of MARGIN_EDGES (`bucket_names`), and how many of them flipped.
+      each bucket of MARGIN_EDGES (`bucket_names`), and how many of them flipped;
+      `margin/routes_layer/<i>/<bucket>` and `margin/flips_layer/<i>/<bucket>` at layer i.
     """
     if margins.shape != flipped.shape or margins.dim() != 2 or flipped.dtype != torch.bool:
         raise ValueError(
@@ -110,7 +160,11 @@ def margin_metrics(
     edges = torch.tensor(MARGIN_EDGES, dtype=kept.dtype, device=kept.device)
     bucket = torch.bucketize(kept, edges, right=True)  # 0 .. len(edges)
     for index, name in enumerate(bucket_names()):
-        inside = bucket == index
-        metrics[f"margin/routes/{name}"] = inside.sum().float()
-        metrics[f"margin/flips/{name}"] = (inside & kept_flips).sum().float()
+        inside = bucket == index  # [tokens kept, layers]
+        routes, flips = inside.sum(dim=0).float(), (inside & kept_flips).sum(dim=0).float()
+        metrics[f"margin/routes/{name}"] = routes.sum()
+        metrics[f"margin/flips/{name}"] = flips.sum()
+        for column, layer in enumerate(layer_numbers):
+            metrics[f"margin/routes_layer/{layer}/{name}"] = routes[column]
+            metrics[f"margin/flips_layer/{layer}/{name}"] = flips[column]
     return metrics

@@ -34,7 +34,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
 
-from megatron_rl.moe.margins import selection_scores, topk_margins
+from megatron_rl.moe.margins import decision_margins, decision_scores
 
 
 class ObservedRouting(NamedTuple):
@@ -152,10 +152,7 @@ class RoutingReplay:
                 with torch.no_grad():
                     logits = router.gating(inputs[0].detach())
                     logits = logits.view(-1, router.config.num_moe_experts)
-                    scores = selection_scores(
-                        logits, score_function=router.score_function, expert_bias=router.expert_bias
-                    )
-                    margins[layer] = topk_margins(scores, router.topk)
+                    margins[layer] = _decision_margins(router, logits)
                     _, free_map = topk_routing_with_score_function(
                         logits,
                         router.topk,
@@ -184,6 +181,22 @@ class RoutingReplay:
             )
 
         return stop
+
+
+def _decision_margins(router: TopKRouter, logits: Tensor) -> Tensor:
+    """`[tokens]` how far `router`'s choice on `[tokens, experts]` `logits` was from changing,
+    on moe/margins.py's scale-free axis, with its score function, bias and groups."""
+    config = router.config
+    scores = decision_scores(
+        logits,
+        score_function=router.score_function,
+        expert_bias=router.expert_bias,
+        pre_softmax=config.moe_router_pre_softmax,
+        grouped=bool(config.moe_router_group_topk),
+    )
+    return decision_margins(
+        scores, router.topk, config.moe_router_num_groups, config.moe_router_group_topk
+    )
 
 
 def _experts(routing_map: Tensor) -> Tensor:

@@ -7,11 +7,14 @@ import math
 
 import pytest
 import torch
+from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
 from megatron_rl.moe.drift import routing_share_of_log_ratio
 from megatron_rl.moe.margins import (
     NEAR_TIE,
     bucket_names,
+    decision_margins,
+    decision_scores,
     margin_metrics,
     selection_scores,
     topk_margins,
@@ -40,27 +43,114 @@ def test_selection_scores_are_what_top_k_is_taken_by():
         selection_scores(logits, score_function="sparsemax")
 
 
-def test_margin_metrics_count_routes_and_flips_per_bucket():
+def test_margin_metrics_count_routes_and_flips_per_bucket_and_layer():
     # 4 tokens x 2 layers; token 3 is masked out
-    margins = torch.tensor([[5e-5, 0.5], [5e-4, 2e-3], [0.02, 1e-4], [0.0, 0.0]])
+    margins = torch.tensor([[5e-4, 5.0], [5e-3, 2e-2], [0.2, 1e-3], [0.0, 0.0]])
     flipped = torch.tensor([[True, False], [True, False], [False, True], [True, True]])
     mask = torch.tensor([True, True, True, False])
     metrics = margin_metrics(margins, flipped, mask, layer_numbers=[1, 2])
     names = bucket_names()
-    assert names == ["lt1e-04", "1e-04_1e-03", "1e-03_1e-02", "ge1e-02"]
+    assert names == ["lt1e-03", "1e-03_1e-02", "1e-02_1e-01", "1e-01_1e+00", "ge1e+00"]
     routes = [float(metrics[f"margin/routes/{n}"]) for n in names]
     flips = [float(metrics[f"margin/flips/{n}"]) for n in names]
-    # kept margins: 5e-5 | 5e-4, 1e-4 (a margin on an edge goes to the bucket above) | 2e-3 |
-    # 0.5, 0.02
-    assert routes == [1, 2, 1, 2]
-    assert flips == [1, 2, 0, 0]
-    assert float(metrics["margin/near_tie"]) == pytest.approx(3 / 6)  # under NEAR_TIE = 1e-3
-    assert NEAR_TIE == 1e-3
+    # kept margins: 5e-4 | 5e-3, 1e-3 (a margin on an edge goes to the bucket above) | 2e-2 |
+    # 0.2 | 5.0
+    assert routes == [1, 2, 1, 1, 1]
+    assert flips == [1, 2, 0, 0, 0]
+    layer_1 = [float(metrics[f"margin/routes_layer/1/{n}"]) for n in names]
+    assert layer_1 == [1, 1, 0, 1, 0]
+    assert [float(metrics[f"margin/flips_layer/2/{n}"]) for n in names] == [0, 1, 0, 0, 0]
+    assert float(metrics["margin/near_tie"]) == pytest.approx(3 / 6)  # under NEAR_TIE = 0.01
+    assert NEAR_TIE == 0.01
     assert float(metrics["margin/near_tie_layer/1"]) == pytest.approx(2 / 3)
     assert float(metrics["margin/near_tie_layer/2"]) == pytest.approx(1 / 3)
     assert float(metrics["margin/median"]) == pytest.approx(float(margins[:3].flatten().median()))
     with pytest.raises(ValueError, match="one shape"):
         margin_metrics(margins, flipped[:, :1])
+
+
+def test_a_softmax_routers_margin_is_its_logit_gap_whatever_the_expert_count():
+    logits = torch.tensor([[2.0, 1.5, -1.0, 0.0]])
+    margin = decision_margins(decision_scores(logits, score_function="softmax"), topk=1)
+    probabilities = torch.softmax(logits, dim=-1)[0]
+    assert float(margin[0]) == pytest.approx(math.log(probabilities[0] / probabilities[1]))
+    # 124 more experts far below: the probabilities shrink, the margin does not
+    wider = torch.cat([logits, torch.full((1, 124), -20.0)], dim=1)
+    assert torch.equal(
+        decision_margins(decision_scores(wider, score_function="softmax"), 1), margin
+    )
+    shifted = decision_scores(logits + 3.0, score_function="softmax")
+    assert decision_margins(shifted, 1).tolist() == pytest.approx(margin.tolist())
+
+
+def test_a_sigmoid_routers_margin_is_its_score_gap_over_the_scores_spread():
+    logits = torch.tensor([[2.0, 0.0, -1.0, 0.5]])
+    bias = torch.tensor([0.0, 0.6, 0.0, 0.0])
+    scores = torch.sigmoid(logits) + bias
+    by_hand = (scores[0, 1] - scores[0, 0]) / scores.std()  # expert 1, then expert 0
+    unit = decision_scores(logits, score_function="sigmoid", expert_bias=bias)
+    assert float(decision_margins(unit, topk=1)[0]) == pytest.approx(float(by_hand))
+
+
+def test_a_group_score_tie_is_a_small_margin_where_the_experts_gaps_are_large():
+    # top-2 of one kept group of two, groups ranked by the sum of their top-2 scores: group A
+    # [3.0, 0.0] sums 3.0, group B [1.6, 1.399] 2.999, a near-tie; within A nothing is left out
+    scores = torch.tensor([[3.0, 0.0, 1.6, 1.399]])
+    grouped = decision_margins(scores, topk=2, num_groups=2, group_topk=1)
+    assert float(grouped[0]) == pytest.approx(1e-3, abs=1e-6)
+    # over all experts the decision looks safe (1.6 vs 1.399), and it is not: a group-score
+    # tie swaps both of group A's experts for group B's
+    assert float(decision_margins(scores, topk=2)[0]) == pytest.approx(0.201, abs=1e-6)
+    # groups far apart: the margin is the experts' own gap within the kept group
+    apart = torch.tensor([[3.0, 2.95, 1.0, -5.0]])
+    margin = decision_margins(apart, topk=1, num_groups=2, group_topk=1)
+    assert float(margin[0]) == pytest.approx(0.05, abs=1e-6)
+    with pytest.raises(ValueError, match="num_groups: expected a divisor of the 4 experts"):
+        decision_margins(scores, topk=1, num_groups=3, group_topk=1)
+
+
+@pytest.mark.parametrize(
+    ("score_function", "pre_softmax", "groups"),
+    [
+        ("softmax", False, (4, 2)),
+        ("softmax", True, (4, 2)),
+        ("sigmoid", False, (4, 2)),
+        ("sigmoid", False, None),
+        ("softmax", True, None),
+    ],
+)
+def test_decision_scores_rank_experts_and_groups_as_megatron_core_chooses(
+    score_function, pre_softmax, groups
+):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 16, generator=generator)
+    bias = torch.randn(16, generator=generator) * 0.1 if score_function == "sigmoid" else None
+    num_groups, group_topk = groups or (None, None)
+    _, routing_map = topk_routing_with_score_function(
+        logits,
+        4,
+        use_pre_softmax=pre_softmax,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        score_function=score_function,
+        expert_bias=bias,
+    )
+    scores = decision_scores(
+        logits,
+        score_function=score_function,
+        expert_bias=bias,
+        pre_softmax=pre_softmax,
+        grouped=groups is not None,
+    )
+    margins = decision_margins(scores, 4, num_groups, group_topk)
+    if groups:
+        group_scores = scores.view(64, num_groups, -1).topk(4 // group_topk, dim=-1).values.sum(-1)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, group_scores.topk(group_topk, dim=-1).indices, True)
+        scores = scores.masked_fill(~kept.repeat_interleave(16 // num_groups, dim=1), -torch.inf)
+    chosen = torch.zeros_like(routing_map).scatter_(1, scores.topk(4, dim=-1).indices, True)
+    assert torch.equal(chosen, routing_map)
+    assert bool((margins > 0).all())  # random scores: no exact ties
 
 
 def test_routing_share_of_the_log_ratio_is_paired_on_the_same_weights():

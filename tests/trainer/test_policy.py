@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl.moe.margins import bucket_names
 from tests.parallel.harness import run_on_ranks
 from tests.trainer import policy_worker
 from tests.trainer.policy_worker import bfloat16_copy
@@ -152,10 +153,17 @@ def test_the_routing_probe_measures_a_known_change_of_routing():
         expected["activated"] / layers, abs=1e-6
     )
     # every (token, layer) is counted in one margin bucket; the flips are the last layer's
-    routes = sum(v for k, v in probed.items() if k.startswith("routing/margin_routes_"))
-    flips = sum(v for k, v in probed.items() if k.startswith("routing/margin_flips_"))
+    buckets = bucket_names()
+    routes = sum(probed[f"routing/margin_routes_{b}"] for b in buckets)
+    flips = sum(probed[f"routing/margin_flips_{b}"] for b in buckets)
     assert routes == result["tokens"] * layers
     assert flips == expected["flips"]
+    for layer in (*earlier, last):  # and per layer: all its tokens, its own flips
+        assert (
+            sum(probed[f"routing/margin_routes_layer_{layer}_{b}"] for b in buckets)
+            == (result["tokens"])
+        )
+    assert sum(probed[f"routing/margin_flips_layer_{last}_{b}"] for b in buckets) == flips
     assert 0 <= probed["routing/margin_near_tie"] <= 1 and probed["routing/margin_median"] > 0
     # with the old routing replayed the log-probs are the old ones: routing is all of the ratio
     assert probed["routing/log_ratio_var_share"] == pytest.approx(1, abs=1e-6)

@@ -44,6 +44,8 @@ _MISMATCH_ARMS = (
     "grpo_tis_mis_geometric",
 )
 _MAX_COLLAPSED_PLOTS = 6
+# moe/margins.py's scale-free margin: one axis for softmax and sigmoid routers
+MARGIN_AXIS = "margin (logit gap: softmax; score gap / score spread: sigmoid + bias)"
 
 
 def routers_free(row: Row) -> bool:
@@ -248,7 +250,7 @@ def _plot_margins(rows: list[Row], curves: dict[str, list[Row]], out: Path) -> P
         (rate_ax, "routes flipped by the update", "Flip rate per margin (no replay, pooled)"),
     ):
         ax.set_xticks(range(len(buckets)), buckets, fontsize=7)
-        ax.set(xlabel="margin (k-th less (k+1)-th selection score)", ylabel=label, title=title)
+        ax.set(xlabel=MARGIN_AXIS, ylabel=label, title=title)
         ax.legend(fontsize=7)
     return _save(fig, out, "margins.png", "Router margins and flip rate per margin")
 

@@ -242,12 +242,25 @@ def summarize_run(
     for column, prefix in PER_LAYER_MEANS.items():
         row |= _per_layer_means(steps, prefix, column)
     if any("routing/margin_median" in r for r in steps):  # the run had metrics.routing_probe
-        for bucket in bucket_names():
-            routes = sum(r.get(f"routing/margin_routes_{bucket}") or 0 for r in steps)
-            flips = sum(r.get(f"routing/margin_flips_{bucket}") or 0 for r in steps)
-            row[f"routes_{bucket}"] = routes
-            row[f"flip_rate_{bucket}"] = flips / routes if routes else None
+        row |= _flips_by_margin(steps, "")
+        prefix = "routing/margin_routes_layer_"
+        layers = {k[len(prefix) :].split("_")[0] for r in steps for k in r if k.startswith(prefix)}
+        for layer in sorted(layers, key=int):
+            row |= _flips_by_margin(steps, f"layer_{layer}_")
     return row
+
+
+def _flips_by_margin(steps: list[dict[str, Any]], layer: str) -> dict[str, float | None]:
+    """Per margin bucket b, over the run: `routes_<layer>b` the routes probed, `flip_rate_<layer>b`
+    the share of them the update flipped (flips summed over routes summed; None: no routes), of
+    all layers (`layer` "") or of one (`layer` "layer_<i>_")."""
+    columns: dict[str, float | None] = {}
+    for bucket in bucket_names():
+        routes = sum(r.get(f"routing/margin_routes_{layer}{bucket}") or 0 for r in steps)
+        flips = sum(r.get(f"routing/margin_flips_{layer}{bucket}") or 0 for r in steps)
+        columns[f"routes_{layer}{bucket}"] = routes
+        columns[f"flip_rate_{layer}{bucket}"] = flips / routes if routes else None
+    return columns
 
 
 def _pooled_routing_share(steps: list[dict[str, Any]]) -> dict[str, float | None]:

@@ -14,6 +14,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 LEVEL = 0.95
@@ -176,6 +177,17 @@ def effect(
         detectable_difference(spread, len(observations), level),
         seeds_to_detect(spread, abs(interval.estimate - threshold), level),
     )
+
+
+def rank_correlation_interval(rho: float, n: int, level: float = LEVEL) -> Interval:
+    """The `level` interval of a Spearman rank correlation `rho` over `n` > 3 points: Fisher's z
+    with Bonett and Wright's standard error for Spearman's rho, sqrt((1 + rho^2 / 2) / (n - 3)).
+    (A perfect rho of +-1 is taken as +-(1 - 1e-12), whose interval is all but the point.)"""
+    if n <= 3:
+        raise ValueError(f"n: a rank correlation's interval needs more than 3 points, got {n}")
+    z = math.atanh(max(-1 + 1e-12, min(1 - 1e-12, rho)))
+    half = NormalDist().inv_cdf((1 + level) / 2) * math.sqrt((1 + rho * rho / 2) / (n - 3))
+    return Interval(rho, math.tanh(z - half), math.tanh(z + half), level, n)
 
 
 def zero_event_bound(runs: int, level: float = LEVEL) -> float:

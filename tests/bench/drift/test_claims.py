@@ -365,11 +365,13 @@ def test_spearman_uses_average_ranks_for_ties():
     assert routing.spearman([1], [1]) is None
 
 
-def tie_rows(predicts: bool = True, model: str = "fine_qwen3_e128") -> list[dict]:
+def tie_rows(
+    predicts: bool = True, model: str = "fine_qwen3_e128", layers=(1, 2, 3, 4)
+) -> list[dict]:
     rows = []
     for seed in (1, 2, 3):
         values = {}
-        for layer in (1, 2, 3, 4):
+        for layer in layers:
             tie = 0.01 * layer + 0.001 * seed
             values[f"near_tie_layer_{layer}"] = tie
             values[f"update_activated_layer_{layer}"] = 2 * tie if predicts else 0.1 - tie
@@ -380,12 +382,29 @@ def tie_rows(predicts: bool = True, model: str = "fine_qwen3_e128") -> list[dict
 
 def test_near_ties_predict_layer_drift_on_the_fine_models():
     claim = claims.near_ties_predict_layer_drift(tie_rows())
-    assert claim.verdict == "PASS" and "1.00 over 4 layers (means of 3 runs)" in claim.evidence
+    assert claim.verdict == "PASS" and "+1 [+1, +1] (95%, n=4) over layers (means of 3 runs)" in (
+        claim.evidence
+    )
     deepseek = tie_rows(model="fine_deepseek_e128")
     assert verdict(claims.near_ties_predict_layer_drift, deepseek) == "PASS"
     assert verdict(claims.near_ties_predict_layer_drift, tie_rows(predicts=False)) == "FAIL"
     tiny = tie_rows(model="tiny")
     assert verdict(claims.near_ties_predict_layer_drift, tiny) == "NOT TESTED"
+    # 8 layers, drift ranked alike but for each neighbouring pair swapped: Spearman 0.905, and
+    # at 8 points its interval reaches below 0.5
+    pairs = {1: 2, 2: 1, 3: 4, 4: 3, 5: 6, 6: 5, 7: 8, 8: 7}
+    swapped = [
+        r
+        | {
+            f"update_activated_layer_{i}": r[f"update_activated_layer_{j}"]
+            for i, j in pairs.items()
+        }
+        for r in tie_rows(layers=range(1, 9))
+    ]
+    claim = claims.near_ties_predict_layer_drift(swapped)
+    assert claim.verdict == "INCONCLUSIVE" and "Spearman +0.9048 [+0.4" in claim.evidence
+    few = tie_rows(layers=(1, 2, 3))
+    assert verdict(claims.near_ties_predict_layer_drift, few) == "NOT TESTED"
 
 
 def test_near_ties_are_ranked_within_each_model():
@@ -402,11 +421,11 @@ def test_near_ties_are_ranked_within_each_model():
     ]
     claim = claims.near_ties_predict_layer_drift(qwen + deepseek)
     assert claim.verdict == "PASS", claim.evidence
-    assert "fine_qwen3_e128: Spearman 1.00" in claim.evidence
-    assert "fine_deepseek_e128: Spearman 1.00" in claim.evidence
+    assert "fine_qwen3_e128: Spearman +1 " in claim.evidence
+    assert "fine_deepseek_e128: Spearman +1 " in claim.evidence
     one_fails = qwen + tie_rows(predicts=False, model="fine_deepseek_e128")
     claim = claims.near_ties_predict_layer_drift(one_fails)
-    assert claim.verdict == "FAIL" and "fine_deepseek_e128: Spearman -1.00" in claim.evidence
+    assert claim.verdict == "FAIL" and "fine_deepseek_e128: Spearman -1 " in claim.evidence
 
 
 def test_every_collapse_needs_a_precursor():

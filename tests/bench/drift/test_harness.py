@@ -28,6 +28,7 @@ from megatron_rl.bench.drift.grid import (
 )
 from megatron_rl.bench.drift.runner import check_model_build, check_results_dir
 from megatron_rl.bench.report import cpu_model
+from megatron_rl.moe.margins import bucket_names
 from tests.trainer.run_cli import RECIPE, SHORT_RUN
 
 TINY = {
@@ -77,8 +78,12 @@ def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
         assert float(row["engine_routing_mismatch_activated"]) == 0.0
         assert float(row["router_weight_change"]) > 0
         assert float(row["margin_median"]) > 0
-        routes = [k for k in row if k.startswith("routes_")]
-        assert len(routes) == 4 and sum(float(row[k]) for k in routes) > 0
+        buckets = bucket_names()
+        routes = sum(float(row[f"routes_{b}"]) for b in buckets)
+        assert routes > 0
+        # per layer (the tiny model's MoE layers 0-3): each layer's routes, summing to the whole
+        per_layer = [sum(float(row[f"routes_layer_{i}_{b}"]) for b in buckets) for i in range(4)]
+        assert sum(per_layer) == routes and min(per_layer) > 0
         assert "update_activated_layer_3" in row and "near_tie_layer_0" in row
         # after the last of the step's updates the weights have moved furthest from the old ones
         assert float(row["since_old_last_activated"]) >= 0

@@ -150,7 +150,7 @@ def summary_row(arm: str, cell: str, seed: int, steps: list[dict]) -> dict:
             row[f"update_activated_layer_{layer}"] = drift * (0.5 + layer / LAYERS)
             row[f"near_tie_layer_{layer}"] = 0.04
         for bucket, routes, rate in zip(
-            bucket_names(), (100, 300, 600, 1000), (0.4, 0.2, 0.05, 0.0), strict=True
+            bucket_names(), (100, 300, 600, 1000, 500), (0.4, 0.2, 0.05, 0.0, 0.0), strict=True
         ):
             row[f"routes_{bucket}"] = routes
             row[f"flip_rate_{bucket}"] = rate
@@ -354,20 +354,20 @@ def test_margin_buckets_pool_flips_over_routes_per_model_over_runs_without_repla
         }
 
     rows = [
-        margins("grpo", "m", (10, 20, 30, 40), (0.5, 0.25, 0.1, 0.0)),
-        margins("gspo", "m", (30, 20, 10, 0), (0.1, 0.5, 0.0, None)),
+        margins("grpo", "m", (10, 20, 30, 40, 0), (0.5, 0.25, 0.1, 0.0, None)),
+        margins("gspo", "m", (30, 20, 10, 0, 0), (0.1, 0.5, 0.0, None, None)),
         # left out: replay, frozen routers
-        margins("grpo_r2", "m", (1000, 0, 0, 0), (1.0, None, None, None)),
-        margins("grpo_frozen_router", "m", (1000, 0, 0, 0), (1.0, None, None, None)),
-        margins("grpo", "other", (0, 0, 5, 0), (None, None, 0.2, None)),
+        margins("grpo_r2", "m", (1000, 0, 0, 0, 0), (1.0, None, None, None, None)),
+        margins("grpo_frozen_router", "m", (1000, 0, 0, 0, 0), (1.0, None, None, None, None)),
+        margins("grpo", "other", (0, 0, 5, 0, 0), (None, None, 0.2, None, None)),
     ]
     pooled = plots.margin_buckets(rows)
     assert set(pooled) == {"m", "other"}
     shares, rates = pooled["m"]
-    assert shares == pytest.approx([0.25, 0.25, 0.25, 0.25])
-    assert rates == pytest.approx([8 / 40, 15 / 40, 3 / 40, 0.0])
+    assert shares == pytest.approx([0.25, 0.25, 0.25, 0.25, 0.0])
+    assert rates[:4] == pytest.approx([8 / 40, 15 / 40, 3 / 40, 0.0]) and math.isnan(rates[4])
     shares, rates = pooled["other"]
-    assert shares == [0, 0, 1, 0] and math.isnan(rates[0]) and rates[2] == pytest.approx(0.2)
+    assert shares == [0, 0, 1, 0, 0] and math.isnan(rates[0]) and rates[2] == pytest.approx(0.2)
     assert plots.margin_buckets(rows[2:4]) == {}
 
 

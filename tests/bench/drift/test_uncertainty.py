@@ -21,6 +21,7 @@ from megatron_rl.bench.drift.uncertainty import (
     detectable_difference,
     effect,
     paired_interval,
+    rank_correlation_interval,
     seeds_to_detect,
     stratified_exact_p,
     student_t_cdf,
@@ -154,3 +155,15 @@ def test_the_zero_event_bound_is_the_rate_that_leaves_no_event_five_percent_of_t
     assert zero_event_bound(3) == pytest.approx(0.6316, abs=1e-4)
     with pytest.raises(ValueError, match="runs: expected at least 1"):
         zero_event_bound(0)
+
+
+def test_a_rank_correlations_interval_is_fishers_z_with_spearmans_standard_error():
+    interval = rank_correlation_interval(0.5, 10)
+    z, half = math.atanh(0.5), 1.959963985 * math.sqrt((1 + 0.125) / 7)
+    assert (interval.low, interval.high) == pytest.approx(
+        (math.tanh(z - half), math.tanh(z + half))
+    )
+    assert interval.low == pytest.approx(-0.2322, abs=1e-4) and interval.estimate == 0.5
+    assert rank_correlation_interval(-1.0, 4).high < -0.99  # a perfect rank order
+    with pytest.raises(ValueError, match="more than 3 points"):
+        rank_correlation_interval(0.5, 3)
