@@ -11,5 +11,6 @@ cd "$repo_root"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # Two worker processes, one per core of the CI machine: most tests compute on one thread
-# (tests/conftest.py), and tests/conftest.py keeps those that share servers on one worker.
-exec .venv/bin/python -m pytest -n 2 --dist loadgroup "$@"
+# (tests/conftest.py); tests/scheduling.py keeps each module whole on one worker, and the
+# modules that start servers on fixed ports together on one.
+exec .venv/bin/python -m pytest -n 2 "$@"

@@ -13,31 +13,16 @@ from subprocess import CompletedProcess
 import pytest
 import torch
 
+from tests.scheduling import ModulesAndServers
 from tests.trainer.run_cli import SGLANG_RECIPE, train_cli
 
 torch.set_num_threads(1)
 
-# The test command runs the suite on two pytest-xdist workers (scripts/test.sh, `--dist
-# loadgroup`), each test module whole on one worker (its module fixtures built once). These share
-# one worker, in order: they start servers on the example recipe's fixed ports (its SGLang server
-# on 30100: two at once, the second's own warm-up reached the first and got a 401) and on the
-# SGLang tier's (tests/sglang/conftest.py), and share the two-rank SGLang run below.
-SERVER_TESTS = (
-    "launch",
-    "sglang",
-    "process/test_redaction.py",
-    "bench/test_rl_step_bench.py",  # its SGLang arm runs the example recipe
-)
-SERVER_GROUP = "servers"
 
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's hook, which reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        path = item.path.relative_to(here).as_posix()
-        shares_servers = any(path == name or path.startswith(f"{name}/") for name in SERVER_TESTS)
-        item.add_marker(pytest.mark.xdist_group(SERVER_GROUP if shares_servers else path))
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own; only under xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> ModulesAndServers:
+    """The test command's two workers share the suite by tests/scheduling.py's units."""
+    return ModulesAndServers(config, log)
 
 
 # The CPU SGLang recipe's short run on two ranks under torchrun, experts split over them (EP 2),
