@@ -172,10 +172,18 @@ class SlurmCluster:
             command, env=self.env, capture_output=True, text=True, check=check, timeout=60
         )
 
-    def sbatch(self, script: Path, *, cwd: Path, env: dict[str, str]) -> str:
-        """Submit `script` with the submitter's environment `env` (plus SLURM_CONF)."""
+    def sbatch(
+        self,
+        script: Path,
+        *args: str,
+        cwd: Path,
+        env: dict[str, str],
+        options: tuple[str, ...] = (),
+    ) -> str:
+        """Submit `script` with its arguments `args` and sbatch's `options` (which override the
+        script's #SBATCH lines), in the submitter's environment `env` (plus SLURM_CONF)."""
         result = subprocess.run(
-            ["sbatch", "--parsable", str(script)],
+            ["sbatch", "--parsable", *options, str(script), *args],
             env=env | {"SLURM_CONF": str(self.conf)},
             cwd=cwd,
             capture_output=True,
