@@ -25,6 +25,7 @@ from megatron_rl.bench.drift.summary import (
     RECOVERY_EVALS,
     REWARD_FLOOR,
     REWARD_FLOOR_STEPS,
+    STEP_PHASES,
     read_metrics,
     summarize_run,
     write_summary_csv,
@@ -109,12 +110,52 @@ def format_report(rows: list[Row], claims: list[Claim], plots: list[Plot]) -> st
             "",
             *_cell_table(cell_rows),
         ]
+    lines += ["", "## Where the time went", "", *time_table(rows)]
     if crashed:
         lines += ["", "## Crashed runs", "", "| run | error |", "|---|---|"]
         lines += [f"| {row['run_id']} | {row['error'].replace('|', '/')} |" for row in crashed]
     lines += ["", "## Plots", ""]
     lines += [f"### {title}\n\n![{title}]({name})\n" for title, name in plots]
     return "\n".join(lines) + "\n"
+
+
+# what each phase of a step is (summary.STEP_PHASES)
+_PHASE_NAMES = {
+    "rollout": "rollout: generation and reward scoring",
+    "old_logprob": "old-policy forward",
+    "train": "updates, with the routing probe's forwards",
+    "weight_sync": "weight sync to the engine",
+    "eval": "held-out evaluation in the steps",
+}
+
+
+def time_by_phase(rows: list[Row]) -> list[tuple[str, float]]:
+    """(phase, seconds summed over the runs that ended) for each step phase, the rest of the
+    steps, and what was not in a step: start-up, model loading, the evaluation before step 1 and
+    the end (the run's `seconds` less its steps')."""
+    ended = [r for r in rows if r.get("seconds") is not None and r.get("seconds_step") is not None]
+    totals = [(_PHASE_NAMES[p], sum(r[f"seconds_{p}"] for r in ended)) for p in STEP_PHASES]
+    in_steps = sum(r["seconds_step"] for r in ended)
+    totals.append(("the rest of the steps", in_steps - sum(seconds for _, seconds in totals)))
+    outside = sum(r["seconds"] for r in ended) - in_steps
+    totals.append(("outside the steps: start-up, loading, first and last evaluation", outside))
+    return totals
+
+
+def time_table(rows: list[Row]) -> list[str]:
+    totals = time_by_phase(rows)
+    whole = sum(seconds for _, seconds in totals)
+    if whole <= 0:
+        return ["No run recorded its time."]
+    return [
+        "Seconds of the runs that ended, summed (with N runs at once the grid's wall time is "
+        "about this over N).",
+        "",
+        "| phase | seconds | share |",
+        "|---|---|---|",
+        *(f"| {phase} | {seconds:.0f} | {seconds / whole:.1%} |" for phase, seconds in totals),
+        f"| all | {whole:.0f} | 100% |",
+    ]
 
 
 def _ran_on(rows: list[Row]) -> str:

@@ -57,6 +57,11 @@ PRECURSOR_METRICS = {
     "entropy": ("entropy/mean",),
 }
 
+# the phases a trainer step times (trainer/loop.py, `time/<phase>_s`), in their order: summary.csv
+# sums each over the run's steps (`seconds_<phase>`, beside `seconds_step` and the run's
+# `seconds`), so that a grid's time can be told by phase
+STEP_PHASES = ("rollout", "old_logprob", "train", "weight_sync", "eval")
+
 # summary column -> the per-step metric it averages over the run's steps
 STEP_MEANS = {
     "drift_token_layer": "routing/drift_token_layer",
@@ -238,6 +243,8 @@ def summarize_run(
         combine = max if column in _STEP_MAXIMA else statistics.fmean
         row[column] = combine(values) if values else None
     row["learn_s_per_1k_tokens"] = _learn_seconds_per_1k_tokens(steps)
+    for phase in (*STEP_PHASES, "step"):  # seconds summed over the run's steps
+        row[f"seconds_{phase}"] = sum(r.get(f"time/{phase}_s") or 0.0 for r in steps)
     row |= _pooled_routing_share(steps)
     for column, prefix in PER_LAYER_MEANS.items():
         row |= _per_layer_means(steps, prefix, column)

@@ -64,12 +64,16 @@ def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
     for arm in ("grpo_r2", "gspo"):
         assert int(rows[arm]["steps"]) == 2 and 0 <= float(rows[arm]["final_accuracy"]) <= 1
         assert float(rows[arm]["drift_token_layer"]) >= 0
+        # the run's time by phase: its steps within its whole, training in its steps
+        assert 0 < float(rows[arm]["seconds_train"]) < float(rows[arm]["seconds_step"])
+        assert float(rows[arm]["seconds_step"]) < float(rows[arm]["seconds"])
         assert (out / "runs" / f"{arm}--base--seed1" / "recipe.yaml").is_file()
     assert float(rows["grpo_r2"]["replay_miss_max"]) == 0.0
     # each run records its machine (the grid may be resumed on another); the report names them
     machine = cpu_model()
     assert {row["machine"] for row in rows.values()} == {machine}
     assert f"Ran on: {machine} (3 runs)." in report.read_text()
+    assert "| updates, with the routing probe's forwards | " in report.read_text()
     for arm in ("grpo_r2", "gspo"):  # the routing probe's columns
         row = rows[arm]
         assert 0 <= float(row["update_activated"]) <= float(row["update_token_layer"]) <= 1

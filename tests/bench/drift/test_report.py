@@ -11,6 +11,7 @@ from megatron_rl.bench.drift import plots, report
 from megatron_rl.bench.drift.claims import Claim, check_claims
 from megatron_rl.bench.drift.summary import (
     PRECURSOR_Z,
+    STEP_PHASES,
     collapse_events,
     collapse_precursor,
 )
@@ -184,6 +185,28 @@ def test_the_grid_like_data_has_one_collapsed_run_with_a_precursor():
     assert [r["run_id"] for r in collapsed] == [COLLAPSED]
     assert collapsed[0]["precursor"] == "grad_norm" and collapsed[0]["precursor_step"] == 7
     assert collapsed[0]["first_collapse_step"] == 11  # the third step without reward
+
+
+def test_time_by_phase_sums_the_phases_over_the_runs_that_ended():
+    def timed(seconds, **phases) -> dict:
+        return {"seconds": seconds, "seconds_step": sum(phases.values()) + 1.0} | {
+            f"seconds_{phase}": phases.get(phase, 0.0) for phase in STEP_PHASES
+        }
+
+    rows = [
+        timed(20.0, rollout=4.0, old_logprob=2.0, train=8.0, weight_sync=1.0),
+        timed(10.0, rollout=2.0, train=4.0, eval=1.0),
+        {"seconds": None, "seconds_step": None},  # not run
+    ]
+    totals = dict(report.time_by_phase(rows))
+    assert totals["rollout: generation and reward scoring"] == 6.0
+    assert totals["updates, with the routing probe's forwards"] == 12.0
+    assert totals["held-out evaluation in the steps"] == 1.0
+    assert totals["the rest of the steps"] == 2.0  # a second per run outside its phases
+    assert totals["outside the steps: start-up, loading, first and last evaluation"] == 6.0
+    assert sum(totals.values()) == 30.0
+    assert "| the rest of the steps | 2 | 6.7% |" in report.time_table(rows)
+    assert report.time_table(rows[2:]) == ["No run recorded its time."]
 
 
 def test_report_text_states_the_regime_the_new_columns_and_each_cells_model_and_engine():
