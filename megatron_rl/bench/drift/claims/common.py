@@ -15,7 +15,7 @@ The thresholds are fixed here, before any checked-in run:
   removes at least half of its variance, pooled over a run's steps
   (`log_ratio_var_share_pooled` >= 0.5);
 - `RANK_CORRELATION`: the near-tie share "predicts" a layer's drift if their Spearman rank
-  correlation over the layers (each a mean over runs) is at least 0.5;
+  correlation over the layers (each a mean over runs) is at least 0.5, its 95% interval too;
 - `PRECURSOR_FALSE_ALARMS`: a precursor rule tells a collapse coming only if it fires in at most
   10% of the runs that never collapse (summary.py's `false_alarm`); otherwise claim 15 is NOT
   TESTED;
@@ -23,7 +23,9 @@ The thresholds are fixed here, before any checked-in run:
   1e-3 (the R3 paper reports ~1.5e-3 for MoE models).
 "As stable as" is decided in stability.py: paired over seeds, final accuracy's 95% interval
 against a non-inferiority margin and collapses by an exact test stratified by cell, giving PASS,
-FAIL or INCONCLUSIVE (or NOT TESTED where the two arms are the same computation).
+FAIL or INCONCLUSIVE (or NOT TESTED where the two arms are the same computation). Every other
+comparison is an uncertainty.Effect against its threshold: per seed (`per_seed`) for one arm's
+value, per pair of runs (`paired`) for two arms'.
 
 The rows name their base model in `model` (`MAIN_MODEL` is the main one; `FINE_MODELS` the
 fine-grained MoE ones; `DENSE_MODEL` the one-expert control) and the rollout engine's precision
