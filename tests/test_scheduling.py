@@ -3,6 +3,7 @@ and the scheduler the one xdist uses."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -35,7 +36,7 @@ def test_every_server_path_exists():
     assert all((REPO / path).exists() for path in SERVER_TESTS)
 
 
-def test_two_workers_keep_the_server_modules_together():
+def test_two_workers_keep_the_server_modules_together(tmp_path):
     """Two fast server modules and two others, on two workers as the test command runs them:
     the server modules on one worker, each other module whole on one."""
     modules = [
@@ -45,8 +46,11 @@ def test_two_workers_keep_the_server_modules_together():
         "tests/test_timeouts.py",
     ]
     command = [sys.executable, "-m", "pytest", "-n", "2", "-v", "-p", "no:cacheprovider"]
-    command += ["-o", "addopts=", *modules]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+    command += ["-o", "addopts=", f"--basetemp={tmp_path / 'inner'}", *modules]
+    # the outer run's options (PYTEST_ADDOPTS: its --basetemp, which a second pytest would
+    # empty under the outer run's feet, its --junitxml) are not the inner run's
+    env = {name: value for name, value in os.environ.items() if name != "PYTEST_ADDOPTS"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:]
     workers: dict[str, set[str]] = defaultdict(set)
     for line in result.stdout.splitlines():
