@@ -34,9 +34,9 @@ GRID = {
 }
 # the script asks for a GPU cluster's nodes; the test cluster's have CPUs only
 CPU_NODES = ("--nodes=1", "--gpus-per-node=0")
-# what differs between two runs of the same computation: their times and where they ran
-TIMES = {"seconds", "machine", "step_s", "rollout_s", "old_logprob_s", "train_s"}
-TIMES |= {"learn_s_per_1k_tokens"}
+# what differs between two runs of the same computation: their times (`seconds*`, the per-step
+# means of the phases) and where they ran
+TIMES = {"machine", "step_s", "rollout_s", "old_logprob_s", "train_s", "learn_s_per_1k_tokens"}
 
 
 def _bench(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -48,7 +48,10 @@ def _bench(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 def _summary(out: Path) -> dict[str, dict[str, str]]:
     rows = csv.DictReader((out / "summary.csv").open())
-    return {row["run_id"]: {k: v for k, v in row.items() if k not in TIMES} for row in rows}
+    return {
+        row["run_id"]: {k: v for k, v in row.items() if k not in TIMES and k[:7] != "seconds"}
+        for row in rows
+    }
 
 
 def _claims(report: Path) -> list[str]:
