@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 import time
@@ -57,7 +58,7 @@ def _summary(out: Path) -> dict[str, dict[str, str]]:
 def _claims(report: Path) -> list[str]:
     """The verdict lines of report.md (`N. **VERDICT**: ...`, without their evidence)."""
     lines = report.read_text().splitlines()
-    return [line.split(":", 1)[0] for line in lines if line[:3].rstrip(".").isdigit()]
+    return [line.split(":", 1)[0] for line in lines if re.match(r"\d+\. \*\*", line)]
 
 
 def _outputs(directory: Path) -> str:
