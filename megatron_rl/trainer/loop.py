@@ -289,7 +289,9 @@ class Trainer:
     def _save_if_due(self, step: int) -> Path | None:
         """The checkpoint of `step` when one is due, saved; else None."""
         checkpoint, last = self.recipe.checkpoint, self.recipe.run.steps
-        if step == last or (checkpoint.save_every > 0 and step % checkpoint.save_every == 0):
+        if step == last and checkpoint.save_last:
+            return self._save(step)
+        if checkpoint.save_every > 0 and step % checkpoint.save_every == 0:
             return self._save(step)
         return None
 

@@ -318,6 +318,9 @@ class CheckpointConfig:
 
     save_every: int = 0
     """Save every this many steps (0: only at the end)."""
+    save_last: bool = True
+    """Save after the last step, so that the run can be extended with --resume (the drift
+    harness's runs, which nothing extends, skip it: a few seconds of each run)."""
     keep: int = 2
     """Checkpoints kept on disk (the newest ones)."""
     export_hf: bool = True

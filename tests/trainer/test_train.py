@@ -172,6 +172,21 @@ def test_engine_logprobs_export_and_wandb(tmp_path):
     assert "model.layers.3.mlp.experts.7.down_proj.weight" in tensors
 
 
+def test_a_run_without_its_final_checkpoint_logs_the_same_numbers(tmp_path):
+    # what the drift harness's runs do (checkpoint.save_last=false), the routing probe on
+    probe = ["metrics.routing_probe=true"]
+    saved, unsaved = tmp_path / "saved", tmp_path / "unsaved"
+    whole = finished_run_metrics(train_cli(saved, probe), saved)
+    lean = finished_run_metrics(train_cli(unsaved, [*probe, "checkpoint.save_last=false"]), unsaved)
+    assert (saved / "checkpoints" / "latest").is_file()
+    assert not (unsaved / "checkpoints").exists()
+    assert "routing/update_activated_experts" in whole[1]
+    for step, record in whole.items():
+        assert {k: v for k, v in lean[step].items() if not k.startswith(TIMING)} == {
+            k: v for k, v in record.items() if not k.startswith(TIMING)
+        }
+
+
 @pytest.mark.parametrize(
     "layout",
     # the loss under TP (tp2, tp2_etp1): tests/parallel/test_invariance.py

@@ -346,6 +346,11 @@ def load_grid(recipe_path: str | Path, grid: GridSource, overrides: list[str] = 
     return grid
 
 
+# Every run's, whatever the grid: nothing resumes a run past its end (an interrupted run starts
+# afresh), so it saves no final checkpoint. Not part of the grid's identity: it changes no number.
+RUN_SET: dict[str, Any] = {"checkpoint.save_last": False}
+
+
 def recipe_for(grid: DriftGrid, run: PlannedRun, model_path: Path | None = None) -> Recipe:
     """The full recipe of `run` (checked), on the model at `model_path` if given, with the RL
     options that model keeps (`base_models.rl_options`: a named shape's load balancing)."""
@@ -356,7 +361,7 @@ def recipe_for(grid: DriftGrid, run: PlannedRun, model_path: Path | None = None)
 
 
 def _run_overrides(grid: DriftGrid, overrides: dict[str, Any]) -> list[str]:
-    return grid.recipe_overrides + override_strings(overrides)
+    return grid.recipe_overrides + override_strings(overrides | RUN_SET)
 
 
 def override_strings(overrides: dict[str, Any]) -> list[str]:

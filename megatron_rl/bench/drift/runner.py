@@ -203,8 +203,8 @@ def _run_task(
         write_text_atomic(recipe_path, yaml.safe_dump(tree, sort_keys=False))
 
     def finish(code: int, seconds: float, error: str) -> None:
-        # The report reads the metrics; the final checkpoint (~17 MB on the tiny model) is not
-        # needed, and a grid holds a hundred of them.
+        # The report reads the metrics; checkpoints a grid asks for (checkpoint.save_every;
+        # ~17 MB each on the tiny model) are not needed, and a grid holds a hundred runs.
         shutil.rmtree(directory / "checkpoints", ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)  # a run that never started has none yet
         status = {

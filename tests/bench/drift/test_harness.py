@@ -252,6 +252,8 @@ def test_default_grid_plans_the_papers_regime():
     assert {run.arm for run in base} == set(DEFAULT_GRID["base_arms"])
     assert all(run.shape == {"shape": "fine_qwen3_e128"} for run in base)
     assert all(run.recipe.metrics.routing_probe for run in grid.runs)
+    # nothing extends a grid's run: none saves a final checkpoint (the same numbers, tests/trainer)
+    assert not any(run.recipe.checkpoint.save_last for run in grid.runs)
     assert {run.recipe.optim.lr for run in grid.runs} == {REGIME_LR}
 
     def engine(run):
