@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"
 
 
 def _train(args: argparse.Namespace) -> int:
+    started = time.monotonic()
     from megatron_rl.config import load_config
     from megatron_rl.trainer.recipe import Recipe
     from megatron_rl.trainer.run_dir import refuse_earlier_run
@@ -39,12 +41,13 @@ def _train(args: argparse.Namespace) -> int:
         refuse_earlier_run(run_dir)
     from megatron_rl.parallel.distributed import LaunchEnv
     from megatron_rl.trainer.loop import RunStopped, TrainingAborted, train
+    from megatron_rl.trainer.run_summary import summarize_run
 
     launch = LaunchEnv.from_environ()
     args.known_warnings.log_to(run_dir / "warnings.log", prefix=f"[rank {launch.rank}] ")
     with StopSignals(graceful=recipe.checkpoint.save_signal_numbers()) as stop:
         try:
-            metrics = train(recipe, resume=args.resume, stop=stop)
+            train(recipe, resume=args.resume, stop=stop)
         except TrainingAborted as error:
             print(f"megatron-rl: training aborted: {error}", file=sys.stderr)
             return 3
@@ -52,8 +55,9 @@ def _train(args: argparse.Namespace) -> int:
             return stop.exit_code
     if stop.immediate:  # a stop signal's exit that Python swallowed
         return stop.exit_code
-    if launch.rank == 0 and "eval/accuracy" in metrics:
-        print(f"held-out accuracy after step {recipe.run.steps}: {metrics['eval/accuracy']:.3f}")
+    if launch.rank == 0:
+        summary = summarize_run(recipe, time.monotonic() - started, args.known_warnings.kept)
+        print("\n".join(summary.lines()))
     return 0
 
 

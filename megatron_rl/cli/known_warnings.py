@@ -85,6 +85,7 @@ class WarningRouter:
     ) -> None:
         self.verbose, self.known, self.console = verbose, known, console
         self.held: list[str] = []
+        self.kept = 0  # known warnings held or written to the log so far
         self._log: TextIO | None = None
         self._prefix = ""
 
@@ -105,6 +106,7 @@ class WarningRouter:
         text = warnings.formatwarning(message, category, filename, lineno, line)
         known = any(entry.matches(str(message), category, filename) for entry in self.known)
         if known:
+            self.kept += 1
             self._keep(text)
         if self.verbose or not known:
             (self.console or file or sys.stderr).write(text)

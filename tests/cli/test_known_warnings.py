@@ -37,6 +37,7 @@ def test_known_warnings_go_to_the_log_with_the_rank_and_others_to_the_console(tm
     lines = (tmp_path / "run" / "warnings.log").read_text().splitlines()
     assert lines == [f"[rank 1] {UPSTREAM}:21: UserWarning: {APEX}"] * 2
     assert console.getvalue().count(APEX) == 1
+    assert router.kept == 2  # the held one counted once, the other warnings not at all
 
 
 def test_verbose_shows_the_known_ones_too(tmp_path):

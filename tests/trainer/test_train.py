@@ -176,10 +176,16 @@ def test_a_run_without_its_final_checkpoint_logs_the_same_numbers(tmp_path):
     # what the drift harness's runs do (checkpoint.save_last=false), the routing probe on
     probe = ["metrics.routing_probe=true"]
     saved, unsaved = tmp_path / "saved", tmp_path / "unsaved"
-    whole = finished_run_metrics(train_cli(saved, probe), saved)
-    lean = finished_run_metrics(train_cli(unsaved, [*probe, "checkpoint.save_last=false"]), unsaved)
+    first = train_cli(saved, probe)
+    second = train_cli(unsaved, [*probe, "checkpoint.save_last=false"])
+    whole, lean = finished_run_metrics(first, saved), finished_run_metrics(second, unsaved)
     assert (saved / "checkpoints" / "latest").is_file()
     assert not (unsaved / "checkpoints").exists()
+    # the last lines say so (trainer/run_summary.py)
+    assert f"checkpoint: {saved / 'checkpoints' / 'step_000002'}" in first.stdout
+    assert "checkpoint: none (checkpoint.save_last: false)" in second.stdout
+    assert first.stdout.startswith("run finished: 2 steps in ")
+    assert f"best {max(whole[0]['eval/accuracy'], whole[2]['eval/accuracy']):.3f}" in first.stdout
     assert "routing/update_activated_experts" in whole[1]
     for step, record in whole.items():
         assert {k: v for k, v in lean[step].items() if not k.startswith(TIMING)} == {
