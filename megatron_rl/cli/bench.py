@@ -284,6 +284,10 @@ def _drift(args: argparse.Namespace) -> int:
     if args.report_only:
         print(f"wrote {drift.report_drift_benchmark(args.recipe, grid, out, args.overrides)}")
         return 0
+    if args.pack:
+        archive, report = drift.pack_drift_benchmark(args.recipe, grid, out, args.overrides)
+        print(f"wrote {archive} and {report}")
+        return 0
     with StopSignals():  # SIGTERM and Ctrl-C stop the runs in flight on the way out
         if args.prepare:
             run_ids = drift.prepare_drift_benchmark(
@@ -351,6 +355,12 @@ def _add_drift(benches: argparse._SubParsersAction) -> None:
     )
     array.add_argument(
         "--report-only", action="store_true", help="write the report of the runs that ended"
+    )
+    array.add_argument(
+        "--pack",
+        action="store_true",
+        help="once every run has ended: their files into runs.tar.xz in place of runs/ (the "
+        "report reads it; nothing more runs into the grid), then the report",
     )
     parser.set_defaults(handler=_drift)
 

@@ -5,19 +5,22 @@ grid.py plans the runs from a recipe and a grid file; base_models.py builds mode
 shapes; runner.py runs them (resumable, in parallel); summary.py turns each run's metrics into a
 row and counts collapse events; claims/ checks the claims on the rows (stability.py and
 uncertainty.py decide with what confidence); plots.py draws the figures; report.py writes
-summary.csv, the plots and report.md. docs/drift.md says how to read and run it.
+summary.csv, the plots and report.md; archive.py packs a finished grid's runs into one file.
+docs/drift.md says how to read and run it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_rl.bench.drift.archive import pack_runs
 from megatron_rl.bench.drift.grid import DEFAULT_GRID, QUICK_GRID, DriftGrid, GridSource, load_grid
 from megatron_rl.bench.drift.runner import prepare_grid, run_grid
 
 __all__ = [
     "DEFAULT_GRID",
     "QUICK_GRID",
+    "pack_drift_benchmark",
     "prepare_drift_benchmark",
     "report_drift_benchmark",
     "run_drift_benchmark",
@@ -57,6 +60,16 @@ def report_drift_benchmark(
 ) -> Path:
     """Write the report of the runs in `out` that have ended; returns report.md."""
     return _write_report(load_grid(recipe, grid_file, list(overrides)), out)
+
+
+def pack_drift_benchmark(
+    recipe: str, grid_file: GridSource, out: Path, overrides: list[str] = ()
+) -> tuple[Path, Path]:
+    """Pack the ended runs of the grid in `out` into its runs archive (archive.py), then write
+    the report from it; returns the archive's and report.md's paths."""
+    grid = load_grid(recipe, grid_file, list(overrides))
+    archive = pack_runs(out, [run.run_id for run in grid.runs])
+    return archive, _write_report(grid, out)
 
 
 def _write_report(grid: DriftGrid, out: Path) -> Path:

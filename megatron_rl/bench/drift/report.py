@@ -19,7 +19,6 @@ from megatron_rl.bench.drift.claims.common import (
 )
 from megatron_rl.bench.drift.grid import DriftGrid
 from megatron_rl.bench.drift.plots import PLOTS, Plot, routers_free
-from megatron_rl.bench.drift.runner import run_dir
 from megatron_rl.bench.drift.summary import (
     ACCURACY_DROP,
     RECOVERY_EVALS,
@@ -57,7 +56,7 @@ _TABLE = (
 
 def write_report(grid: DriftGrid, out: Path) -> Path:
     """summary.csv, the plots and report.md in `out`; returns report.md's path."""
-    curves = {run.run_id: read_metrics(run_dir(out, run) / "metrics.jsonl") for run in grid.runs}
+    curves = {run.run_id: read_metrics(out, run) for run in grid.runs}
     rows = [summarize_run(grid, out, run, curves[run.run_id]) for run in grid.runs]
     write_summary_csv(rows, out / "summary.csv")
     done = [row for row in rows if row["state"] == "done"]

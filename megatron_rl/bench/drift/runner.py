@@ -30,6 +30,7 @@ from typing import IO, Any
 import yaml
 
 from megatron_rl.bench.drift import base_models
+from megatron_rl.bench.drift.archive import RUNS_ARCHIVE, is_packed, run_file
 from megatron_rl.bench.drift.grid import DriftGrid, GridError, PlannedRun, recipe_for
 from megatron_rl.bench.report import cpu_model
 from megatron_rl.files.atomic import write_text_atomic
@@ -43,13 +44,20 @@ def run_dir(out: Path, run: PlannedRun) -> Path:
 
 
 def read_status(out: Path, run: PlannedRun) -> dict[str, Any] | None:
-    """The run's `status.json`, or None while it has not ended."""
-    path = run_dir(out, run) / "status.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    """The run's `status.json` (from `runs/`, or the packed grid's archive), or None while it
+    has not ended."""
+    text = run_file(out, run.run_id, "status.json")
+    return None if text is None else json.loads(text)
 
 
 def check_results_dir(out: Path, grid: DriftGrid) -> None:
-    """Claim `out` for `grid`, or refuse it if it holds another grid's results."""
+    """Claim `out` for `grid`, or refuse it if it holds another grid's results or is packed
+    (complete: nothing more runs into it)."""
+    if is_packed(out):
+        raise GridError(
+            f"--out {out}: its runs are packed into {RUNS_ARCHIVE}, so the grid is complete; "
+            "--report-only reads it"
+        )
     path, identity = out / "grid.json", grid.identity()
     if path.is_file():
         held = json.loads(path.read_text())

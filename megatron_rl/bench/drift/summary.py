@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.bench.drift import base_models
+from megatron_rl.bench.drift.archive import run_file
 from megatron_rl.bench.drift.grid import DriftGrid, PlannedRun
 from megatron_rl.bench.drift.runner import CRASHED, read_status
 from megatron_rl.files.atomic import write_text_atomic
@@ -114,12 +115,14 @@ STEP_MEANS = {
 _STEP_MAXIMA = ("replay_miss_max",)
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl (a torn last line, from a killed run, is left out)."""
-    if not path.is_file():
+def read_metrics(out: Path, run: PlannedRun) -> list[dict[str, Any]]:
+    """The records of the run's metrics.jsonl (from `runs/` or the packed grid's archive; a torn
+    last line, from a killed run, is left out)."""
+    text = run_file(out, run.run_id, "metrics.jsonl")
+    if text is None:
         return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:

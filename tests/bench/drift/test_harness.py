@@ -15,6 +15,7 @@ import yaml
 from safetensors.torch import save_file
 
 from megatron_rl.bench.drift import (
+    pack_drift_benchmark,
     prepare_drift_benchmark,
     report_drift_benchmark,
     run_drift_benchmark,
@@ -134,6 +135,14 @@ def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
     other = write_grid(tmp_path, TINY | {"seeds": [1, 2]}, "other.yaml")
     with pytest.raises(GridError, match=r"another grid or recipe \(seeds"):
         check_results_dir(out, load_grid(str(RECIPE), str(other)))
+
+    # Packed: the runs' files in one archive, from which the report is the same to the byte.
+    summary, report_text = (out / "summary.csv").read_text(), report.read_text()
+    archive, _ = pack_drift_benchmark(str(RECIPE), str(grid_file), out)
+    assert archive == out / "runs.tar.xz" and not (out / "runs").exists()
+    assert (out / "summary.csv").read_text() == summary and report.read_text() == report_text
+    with pytest.raises(GridError, match=r"packed into runs\.tar\.xz, so the grid is complete"):
+        run_drift_benchmark(str(RECIPE), str(grid_file), out, jobs=1, models_dir=models)
 
 
 def test_a_job_array_runs_one_run_per_task_then_reports(tmp_path, capsys):
