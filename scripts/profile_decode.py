@@ -1,10 +1,10 @@
 """What bounds the in-process engine's decode step (docs/training.md, "The in-process rollout
-engine"), and what a static KV cache and a compiled step would save: the tiny recipe's model
-(`examples/moe/tiny_qwen3_moe`) decoding 32 tokens for 128 rows after 24-token prompts, greedy,
-as milliseconds per decode step, four ways: the engine's preallocated cache eagerly
-(megatron_rl.rollout.kv_cache), transformers' growing cache eagerly (what the engine ran
-before), a static cache eagerly, and a static cache with the step under torch.compile (its
-compile time apart); then the engine's eager step's ops by self CPU time.
+engine"; results in docs/benchmarks/decode_step.md), and what a static KV cache and a compiled step
+would save: the tiny recipe's model (`examples/moe/tiny_qwen3_moe`) decoding 32 tokens for 128 rows
+after 24-token prompts, greedy, as milliseconds per decode step, four ways: the engine's
+preallocated cache eagerly (megatron_rl.rollout.kv_cache), transformers' growing cache eagerly (what
+the engine ran before), a static cache eagerly, and a static cache with the step under torch.compile
+(its compile time apart); then the engine's eager step's ops by self CPU time.
 
     python scripts/profile_decode.py
 """

@@ -1,8 +1,8 @@
-"""Where the time of `megatron-rl bench experts`' grouped arms goes (docs/training.md,
-"Fine-grained experts: grouped GEMMs"): three training steps of the 8-experts and the
-64-experts arm under torch.profiler, the ops by self CPU time; then one layer's expert product
-alone at 64 experts (the weights stacked, grouped_mm forward and backward), to tell the stack's
-share of `aten::cat`.
+"""Where the time of `megatron-rl bench experts`' grouped arms goes (docs/training.md, "Fine-grained
+experts: grouped GEMMs"; results in docs/benchmarks/grouped_experts.md): three training steps of the
+8-experts and the 64-experts arm under torch.profiler, the ops by self CPU time; then one layer's
+expert product alone at 64 experts (the weights stacked, grouped_mm forward and backward), to tell
+the stack's share of `aten::cat`.
 
     python scripts/profile_experts.py
 """

@@ -78,7 +78,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         "train",
         help="run an RL recipe (one process, or every rank under torchrun / srun)",
         description="Run the RL loop of a YAML recipe; KEY=VALUE overrides any field, e.g. "
-        "algo.loss=grpo rollout.group_size=8 (docs/training.md lists every field).",
+        "algo.loss=grpo rollout.group_size=8 (docs/recipe.md lists every field).",
     )
     parser.add_argument("recipe", help="YAML recipe, e.g. examples/moe/tiny_gspo.yaml")
     parser.add_argument(

@@ -84,7 +84,7 @@ def dispatcher_for(dims: ParallelDims, dispatcher: Dispatcher) -> Dispatcher:
     but alltoall still re-sorts the tokens by local expert after its exchange: an identity
     order, run as a split into one chunk per expert and a concatenation, forward and backward
     (`token_dispatcher.py:732, 767`); at 64 experts the training step on CPU took 16% less
-    without it (docs/training.md, "Fine-grained experts: grouped GEMMs")."""
+    without it (docs/benchmarks/grouped_experts.md)."""
     if dispatcher not in ("alltoall", "allgather"):
         raise ValueError(f"dispatcher: expected 'alltoall' or 'allgather', got {dispatcher!r}")
     return dispatcher if dims.etp * dims.ep > 1 else "allgather"

@@ -15,7 +15,8 @@ attends to itself alone, with the padded form's arithmetic: a packed micro-batch
 one's outputs and gradients (tests/models). Only the attention's scores see that padding; the
 projections, norms, routers, experts and logits run on the packed tokens. (Attending to each
 sequence alone in a loop does less arithmetic, but on CPU its per-sequence operations cost more
-than they save: 1.75x the padded passes' training phase on the tiny recipe, docs/training.md.)
+than they save: 1.75x the padded passes' training phase on the tiny recipe,
+docs/benchmarks/micro_batches.md.)
 Without packed sequences it is `DotProductAttention`.
 """
 

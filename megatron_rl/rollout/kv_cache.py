@@ -6,8 +6,8 @@ at every decode step (a copy of everything so far, per layer and step); its Stat
 place but attends over the whole preallocated length, masked. Here each layer holds
 `[rows, kv_heads, capacity, head_dim]` buffers, writes the step's keys and values into the next
 columns and hands attention a view up to the filled length: no copy, no masked tail, and rows
-that end can still leave the batch. Measured on the tiny recipe's model (docs/training.md,
-"What bounds its decode step").
+that end can still leave the batch. Measured on the tiny recipe's model
+(docs/benchmarks/decode_step.md).
 """
 
 from __future__ import annotations

@@ -328,7 +328,7 @@ class CheckpointConfig:
     save_on_signals: list[str] = field(default_factory=lambda: ["SIGUSR1"])
     """Signals that stop the run after its step and a checkpoint (SLURM's `--signal`), among
     SIGUSR1, SIGUSR2, SIGTERM, SIGHUP, SIGQUIT and SIGXCPU. Any other stop signal stops it at
-    once (docs/training.md, Failures and recovery)."""
+    once (docs/checkpoints.md, Failures and recovery)."""
 
     def validate(self) -> None:
         if self.save_every < 0:
