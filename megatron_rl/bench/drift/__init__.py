@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megatron_rl.bench.drift.archive import pack_runs
 from megatron_rl.bench.drift.grid import DEFAULT_GRID, QUICK_GRID, DriftGrid, GridSource, load_grid
-from megatron_rl.bench.drift.runner import prepare_grid, run_grid
+from megatron_rl.bench.drift.runner import check_results_dir, prepare_grid, run_grid
 
 __all__ = [
     "DEFAULT_GRID",
@@ -68,6 +68,7 @@ def pack_drift_benchmark(
     """Pack the ended runs of the grid in `out` into its runs archive (archive.py), then write
     the report from it; returns the archive's and report.md's paths."""
     grid = load_grid(recipe, grid_file, list(overrides))
+    check_results_dir(out, grid)  # this grid's results, not yet packed
     archive = pack_runs(out, [run.run_id for run in grid.runs])
     return archive, _write_report(grid, out)
 

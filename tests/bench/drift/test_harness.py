@@ -138,6 +138,8 @@ def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
 
     # Packed: the runs' files in one archive, from which the report is the same to the byte.
     summary, report_text = (out / "summary.csv").read_text(), report.read_text()
+    with pytest.raises(GridError, match=r"another grid or recipe \(seeds"):
+        pack_drift_benchmark(str(RECIPE), str(other), out)
     archive, _ = pack_drift_benchmark(str(RECIPE), str(grid_file), out)
     assert archive == out / "runs.tar.xz" and not (out / "runs").exists()
     assert (out / "summary.csv").read_text() == summary and report.read_text() == report_text
