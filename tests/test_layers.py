@@ -1,6 +1,7 @@
 """The package's layers: every module imports only from its own layer and the ones below it
-(README, "Layers"); `algo` imports only torch; wandb is imported in one module; nothing imports
-the CLI. Checked by parsing every import statement, the ones inside functions included."""
+(docs/architecture.md, "Layers"); `algo` imports only torch; wandb is imported in one module;
+nothing imports the CLI. Checked by parsing every import statement, the ones inside functions
+included."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def _modules() -> dict[str, str]:
 
 def test_every_module_belongs_to_a_layer():
     unplaced = [m for m in _modules() if _layer(m) is not None and _layer(m) not in LAYERS]
-    assert not unplaced, f"add these to LAYERS and to the README's Layers section: {unplaced}"
+    assert not unplaced, f"add these to LAYERS and to docs/architecture.md's Layers: {unplaced}"
 
 
 def test_no_module_imports_from_a_higher_layer():
@@ -121,8 +122,8 @@ def test_wandb_is_imported_in_one_module_and_the_cli_by_none():
     assert not cli_users
 
 
-def test_the_readme_draws_the_same_layers():
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("### Layers", 1)[1].split("\n#", 1)[0]
+def test_the_architecture_guide_draws_the_same_layers():
+    guide = (REPO / "docs" / "architecture.md").read_text()
+    section = guide.split("## Layers", 1)[1].split("\n#", 1)[0]
     drawn = re.findall(r"^\s*\d+\s+(\w+)", section, flags=re.MULTILINE)
     assert tuple(drawn) == LAYERS
