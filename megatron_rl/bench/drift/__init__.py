@@ -2,11 +2,11 @@
 losses) over a grid of arms x sweep points x seeds, with the literature's claims checked.
 
 grid.py plans the runs from a recipe and a grid file; base_models.py builds models of other
-shapes; runner.py runs them (resumable, in parallel); summary.py turns each run's metrics into a
-row and counts collapse events; claims/ checks the claims on the rows (stability.py and
-uncertainty.py decide with what confidence); plots.py draws the figures; report.py writes
-summary.csv, the plots and report.md; archive.py packs a finished grid's runs into one file.
-docs/drift.md says how to read and run it.
+shapes; runner.py runs them (resumable, in parallel); collapse.py finds a run's collapse events
+and what moved before them; summary.py turns each run's metrics into a row; claims/ checks the
+claims on the rows (stability.py, uncertainty.py and survival.py decide with what confidence);
+plots.py draws the figures; report.py writes summary.csv, the plots and report.md; archive.py
+packs a finished grid's runs into one file. docs/drift.md says how to read and run it.
 """
 
 from __future__ import annotations

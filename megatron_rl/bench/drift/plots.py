@@ -22,7 +22,7 @@ from megatron_rl.bench.drift.claims.common import (
     group_by,
     is_frozen,
 )
-from megatron_rl.bench.drift.summary import (
+from megatron_rl.bench.drift.collapse import (
     PRECURSOR_BASELINE,
     PRECURSOR_METRICS,
     PRECURSOR_Z,
@@ -305,7 +305,7 @@ def _values(
 
 def z_scores(records: list[Row], keys: tuple[str, ...], collapse_step: int) -> Series:
     """A precursor metric's distance from its baseline in baseline standard deviations, per step
-    (summary.collapse_precursor's baseline: its first values before the collapse)."""
+    (collapse.collapse_precursor's baseline: its first values before the collapse)."""
     key = next((k for k in keys if any(r.get(k) is not None for r in records)), None)
     if key is None:
         return {}

@@ -17,13 +17,15 @@ from megatron_rl.bench.drift.claims.common import (
     machine_counts,
     mean_of,
 )
-from megatron_rl.bench.drift.grid import DriftGrid
-from megatron_rl.bench.drift.plots import PLOTS, Plot, routers_free
-from megatron_rl.bench.drift.summary import (
+from megatron_rl.bench.drift.collapse import (
     ACCURACY_DROP,
     RECOVERY_EVALS,
     REWARD_FLOOR,
     REWARD_FLOOR_STEPS,
+)
+from megatron_rl.bench.drift.grid import DriftGrid
+from megatron_rl.bench.drift.plots import PLOTS, Plot, routers_free
+from megatron_rl.bench.drift.summary import (
     STEP_PHASES,
     read_metrics,
     summarize_run,

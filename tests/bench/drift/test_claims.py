@@ -8,7 +8,7 @@ import pytest
 
 from megatron_rl.bench.drift import claims, stability
 from megatron_rl.bench.drift.claims import common, routing
-from megatron_rl.bench.drift.summary import collapse_events, collapse_precursor
+from megatron_rl.bench.drift.collapse import collapse_events, collapse_precursor
 
 # arm -> (loss, routing_replay, mismatch, freeze_router)
 ARMS = {

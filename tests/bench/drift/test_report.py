@@ -9,12 +9,8 @@ import pytest
 
 from megatron_rl.bench.drift import plots, report
 from megatron_rl.bench.drift.claims import Claim, check_claims
-from megatron_rl.bench.drift.summary import (
-    PRECURSOR_Z,
-    STEP_PHASES,
-    collapse_events,
-    collapse_precursor,
-)
+from megatron_rl.bench.drift.collapse import PRECURSOR_Z, collapse_events, collapse_precursor
+from megatron_rl.bench.drift.summary import STEP_PHASES
 from megatron_rl.moe.margins import bucket_names
 
 pytestmark = pytest.mark.timeout(120)
