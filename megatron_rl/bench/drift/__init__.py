@@ -2,19 +2,20 @@
 losses) over a grid of arms x sweep points x seeds, with the literature's claims checked.
 
 grid.py plans the runs from a recipe and a grid file; base_models.py builds models of other
-shapes; runner.py runs them (resumable, in parallel); collapse.py finds a run's collapse events
-and what moved before them; summary.py turns each run's metrics into a row; claims/ checks the
-claims on the rows (stability.py, uncertainty.py and survival.py decide with what confidence);
-plots.py draws the figures; report.py writes summary.csv, the plots and report.md; archive.py
-packs a finished grid's runs into one file. docs/drift.md says how to read and run it.
+shapes; runner.py runs them (resumable, in parallel; stopped at a collapse where the grid asks);
+run_files.py reads a run's files, from its folder or the archive a finished grid is packed into;
+collapse.py finds a run's collapse events and what moved before them; summary.py turns each
+run's metrics into a row; claims/ checks the claims on the rows (stability.py, uncertainty.py and
+survival.py decide with what confidence); plots.py draws the figures; report.py writes
+summary.csv, the plots and report.md. docs/drift.md says how to read and run it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_rl.bench.drift.archive import pack_runs
 from megatron_rl.bench.drift.grid import DEFAULT_GRID, QUICK_GRID, DriftGrid, GridSource, load_grid
+from megatron_rl.bench.drift.run_files import pack_runs
 from megatron_rl.bench.drift.runner import check_results_dir, prepare_grid, run_grid
 
 __all__ = [
@@ -65,7 +66,7 @@ def report_drift_benchmark(
 def pack_drift_benchmark(
     recipe: str, grid_file: GridSource, out: Path, overrides: list[str] = ()
 ) -> tuple[Path, Path]:
-    """Pack the ended runs of the grid in `out` into its runs archive (archive.py), then write
+    """Pack the ended runs of the grid in `out` into its runs archive (run_files.py), then write
     the report from it; returns the archive's and report.md's paths."""
     grid = load_grid(recipe, grid_file, list(overrides))
     check_results_dir(out, grid)  # this grid's results, not yet packed

@@ -49,8 +49,13 @@ PRECURSOR_METRICS = {
 }
 
 
-def collapse_events(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
-    """(step, kind) of every collapse event of one run's per-step records (module docstring)."""
+def collapse_events(
+    records: list[dict[str, Any]], *, finished: bool = True
+) -> list[tuple[int, str]]:
+    """(step, kind) of every collapse event of one run's per-step records (module docstring).
+    Of a run still going (`finished` false) an accuracy fall counts only once `RECOVERY_EVALS`
+    evaluations have followed it: the end-of-run clause would count a fall the next evaluation
+    may still take back."""
     events = [(r["step"], "nonfinite") for r in records if r.get("steps/skipped")]
     evals = [(r["step"], r["eval/accuracy"]) for r in records if r.get("eval/accuracy") is not None]
     best, index = -math.inf, 0
@@ -58,7 +63,8 @@ def collapse_events(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
         step, accuracy = evals[index]
         if accuracy < best - ACCURACY_DROP:
             later = evals[index + 1 : index + 1 + RECOVERY_EVALS]
-            if later and all(value < best - ACCURACY_DROP for _, value in later):
+            seen = len(later) == RECOVERY_EVALS or (finished and bool(later))
+            if seen and all(value < best - ACCURACY_DROP for _, value in later):
                 events.append((step, "accuracy"))
                 # one event per fall: the next counts only after a recovery to within the drop
                 index += 1

@@ -13,6 +13,7 @@ A grid file (YAML; every key optional, the default grid is `DEFAULT_GRID`):
     launcher: []                     # runs `-m megatron_rl.cli train RECIPE`: python (default),
                                      # or torchrun and its options ($NAME: from the environment)
     threads: 1                       # torch threads per run
+    stop_at_collapse: false          # stop each run at its first collapse event
 
 The base point is the recipe with `set`; every arm runs there. A sweep point runs the sweep's
 arms (all by default) with its fields changed; a point equal to the base point is the base
@@ -233,7 +234,16 @@ QUICK_GRID: dict[str, Any] = {
     ],
 }
 
-_GRID_KEYS = ("seeds", "set", "arms", "base_arms", "sweeps", "launcher", "threads")
+_GRID_KEYS = (
+    "seeds",
+    "set",
+    "arms",
+    "base_arms",
+    "sweeps",
+    "launcher",
+    "threads",
+    "stop_at_collapse",
+)
 _SWEEP_KEYS = ("name", "field", "values", "points", "arms")
 
 
@@ -272,6 +282,9 @@ class DriftGrid:
     threads: int
     base_shape: dict[str, int]  # the recipe model's layers, experts, topk
     base_model: dict[str, Any] = field(default_factory=dict)  # `set`'s base_model.* fields
+    # stop a run at its first collapse event (collapse.py): a survival experiment's runs need
+    # no steps past it
+    stop_at_collapse: bool = False
     runs: list[PlannedRun] = field(default_factory=list)
 
     def identity(self) -> dict[str, Any]:
@@ -279,16 +292,22 @@ class DriftGrid:
         recipe = Path(self.recipe_path)
         # a grid whose base point runs every arm is identified as before base_arms existed
         base_arms = {} if self.base_arms == list(self.arms) else {"base_arms": self.base_arms}
-        return base_arms | {
-            "recipe": recipe.read_text(),
-            "recipe_overrides": self.recipe_overrides,
-            "seeds": self.seeds,
-            "set": self.common | self.base_model,
-            "arms": self.arms,
-            "sweeps": self.sweeps,
-            "launcher": self.launcher,
-            "threads": self.threads,
-        }
+        # and one that runs every step as before stop_at_collapse existed
+        stops = {"stop_at_collapse": True} if self.stop_at_collapse else {}
+        return (
+            base_arms
+            | stops
+            | {
+                "recipe": recipe.read_text(),
+                "recipe_overrides": self.recipe_overrides,
+                "seeds": self.seeds,
+                "set": self.common | self.base_model,
+                "arms": self.arms,
+                "sweeps": self.sweeps,
+                "launcher": self.launcher,
+                "threads": self.threads,
+            }
+        )
 
 
 # A grid: a grid file, a grid already read (QUICK_GRID), or None for DEFAULT_GRID.
@@ -328,6 +347,9 @@ def load_grid(recipe_path: str | Path, grid: GridSource, overrides: list[str] = 
     threads = raw.get("threads", 1)
     if not isinstance(threads, int) or threads < 1:
         raise GridError(f"threads: expected an integer >= 1, got {threads!r}")
+    stop_at_collapse = raw.get("stop_at_collapse", False)
+    if not isinstance(stop_at_collapse, bool):
+        raise GridError(f"stop_at_collapse: expected true or false, got {stop_at_collapse!r}")
     base_shape = _model_shape(base_recipe.model.hf_path)
     grid = DriftGrid(
         recipe_path=str(recipe_path),
@@ -341,6 +363,7 @@ def load_grid(recipe_path: str | Path, grid: GridSource, overrides: list[str] = 
         threads=threads,
         base_shape=base_shape,
         base_model=base_model,
+        stop_at_collapse=stop_at_collapse,
     )
     grid.runs.extend(_plan(grid))
     return grid

@@ -25,9 +25,9 @@ from megatron_rl.bench.drift.collapse import (
 )
 from megatron_rl.bench.drift.grid import DriftGrid
 from megatron_rl.bench.drift.plots import PLOTS, Plot, routers_free
+from megatron_rl.bench.drift.run_files import run_metrics
 from megatron_rl.bench.drift.summary import (
     STEP_PHASES,
-    read_metrics,
     summarize_run,
     write_summary_csv,
 )
@@ -58,7 +58,7 @@ _TABLE = (
 
 def write_report(grid: DriftGrid, out: Path) -> Path:
     """summary.csv, the plots and report.md in `out`; returns report.md's path."""
-    curves = {run.run_id: read_metrics(out, run) for run in grid.runs}
+    curves = {run.run_id: run_metrics(out, run.run_id) for run in grid.runs}
     rows = [summarize_run(grid, out, run, curves[run.run_id]) for run in grid.runs]
     write_summary_csv(rows, out / "summary.csv")
     done = [row for row in rows if row["state"] == "done"]

@@ -30,8 +30,9 @@ from typing import IO, Any
 import yaml
 
 from megatron_rl.bench.drift import base_models
-from megatron_rl.bench.drift.archive import RUNS_ARCHIVE, is_packed, run_file
+from megatron_rl.bench.drift.collapse import collapse_events
 from megatron_rl.bench.drift.grid import DriftGrid, GridError, PlannedRun, recipe_for
+from megatron_rl.bench.drift.run_files import RUNS_ARCHIVE, is_packed, run_file, run_metrics
 from megatron_rl.bench.report import cpu_model
 from megatron_rl.files.atomic import write_text_atomic
 from megatron_rl.process import children
@@ -91,6 +92,30 @@ def check_model_build(out: Path, model: Path) -> None:
         )
 
 
+# How often a run the grid stops at its first collapse has its metrics read while it runs.
+WATCH_EVERY_S = 5.0
+
+
+@dataclass(frozen=True)
+class _Ending:
+    """How a task's process ended: its return code, its seconds, its log's error line, and why
+    the runner stopped it ("" when it ended by itself)."""
+
+    code: int
+    seconds: float
+    error: str = ""
+    stopped: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """It finished, or was stopped where the grid asks (a collapse: the run's result)."""
+        return self.code == 0 or bool(self.stopped)
+
+
+def _never() -> str:
+    return ""
+
+
 @dataclass
 class _Task:
     """A process to run: a base-model build or a training run."""
@@ -101,7 +126,8 @@ class _Task:
     is_build: bool
     needs: str | None  # the build it waits for
     prepare: Callable[[], None]
-    finish: Callable[[int, float, str], None]  # return code, seconds, error line
+    finish: Callable[[_Ending], None]
+    stop_now: Callable[[], str] = _never  # while it runs: why to stop it now ("": go on)
 
 
 def run_grid(
@@ -170,9 +196,9 @@ def _build_tasks(runs: list[PlannedRun], models_dir: Path, failed: dict[str, str
             continue
         models_dir.mkdir(parents=True, exist_ok=True)
 
-        def finish(code: int, seconds: float, error: str, name: str = name) -> None:
-            if code != 0:
-                failed[name] = f"building base model {name} failed ({error})"
+        def finish(ending: _Ending, name: str = name) -> None:
+            if not ending.ok:
+                failed[name] = f"building base model {name} failed ({ending.error})"
 
         tasks.append(
             _Task(
@@ -210,16 +236,17 @@ def _run_task(
         tree["run"]["dir"] = str(directory)
         write_text_atomic(recipe_path, yaml.safe_dump(tree, sort_keys=False))
 
-    def finish(code: int, seconds: float, error: str) -> None:
+    def finish(ending: _Ending) -> None:
         # The report reads the metrics; checkpoints a grid asks for (checkpoint.save_every;
         # ~17 MB each on the tiny model) are not needed, and a grid holds a hundred runs.
         shutil.rmtree(directory / "checkpoints", ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)  # a run that never started has none yet
         status = {
-            "state": DONE if code == 0 else CRASHED,
-            "returncode": code,
-            "seconds": round(seconds, 1),
-            "error": "" if code == 0 else error,
+            "state": DONE if ending.ok else CRASHED,
+            "returncode": ending.code,
+            "seconds": round(ending.seconds, 1),
+            "error": "" if ending.ok else ending.error,
+            "stopped": ending.stopped,
             # a grid resumed elsewhere mixes machines: the time claims say so (claims/)
             "machine": cpu_model(),
         }
@@ -233,7 +260,17 @@ def _run_task(
         needs=None if build is None else f"build {build}",
         prepare=prepare,
         finish=finish,
+        stop_now=(lambda: _first_collapse(out, run)) if grid.stop_at_collapse else _never,
     )
+
+
+def _first_collapse(out: Path, run: PlannedRun) -> str:
+    """Why to stop `run` now: its first collapse event so far ("" while none)."""
+    events = collapse_events(run_metrics(out, run.run_id), finished=False)
+    if not events:
+        return ""
+    step, kind = events[0]
+    return f"collapse at step {step} ({kind})"
 
 
 class _NotStarted(RuntimeError):
@@ -255,12 +292,15 @@ class _Scheduler:
             "PYTHONUNBUFFERED": "1",
         }
         self.finished_runs, self.run_seconds = 0, 0.0
+        self.stopping: dict[int, str] = {}  # pid -> why the runner stopped it
+        self.watched_at = 0.0
 
     def run(self, *, total_runs: int) -> None:
         self.total_runs = total_runs
         try:
             while self.waiting or self.running:
                 self._start_ready()
+                self._watch()
                 self._reap()
                 time.sleep(0.2)
         finally:
@@ -276,8 +316,9 @@ class _Scheduler:
             try:
                 task.prepare()
             except _NotStarted as error:
-                task.finish(1, 0.0, str(error))
-                self._report(task, 1, 0.0, str(error))
+                ending = _Ending(1, 0.0, str(error))
+                task.finish(ending)
+                self._report(task, ending)
                 continue
             log = task.log.open("wb")
             process = subprocess.Popen(
@@ -290,6 +331,20 @@ class _Scheduler:
             children.started_group(process.pid)
             self.running.append((task, process, log, time.monotonic()))
 
+    def _watch(self) -> None:
+        """Every WATCH_EVERY_S, stop each running task that says why it should stop now (its
+        process group: SIGTERM, which the trainer obeys at once)."""
+        if time.monotonic() - self.watched_at < WATCH_EVERY_S:
+            return
+        self.watched_at = time.monotonic()
+        for task, process, _, _ in self.running:
+            if process.pid in self.stopping:
+                continue
+            reason = task.stop_now()
+            if reason:
+                self.stopping[process.pid] = reason
+                _signal_group(process, signal.SIGTERM)
+
     def _reap(self) -> None:
         for entry in list(self.running):
             task, process, log, began = entry
@@ -299,15 +354,17 @@ class _Scheduler:
             self.running.remove(entry)
             children.stopped_group(process.pid)
             log.close()
-            seconds = time.monotonic() - began
-            error = "" if code == 0 else _error_line(task.log)
-            task.finish(code, seconds, error)
+            stopped = self.stopping.pop(process.pid, "")
+            error = "" if code == 0 or stopped else _error_line(task.log)
+            ending = _Ending(code, time.monotonic() - began, error, stopped)
+            task.finish(ending)
             self.unfinished_builds.discard(task.name)
-            self._report(task, code, seconds, error)
+            self._report(task, ending)
 
-    def _report(self, task: _Task, code: int, seconds: float, error: str) -> None:
+    def _report(self, task: _Task, ending: _Ending) -> None:
+        seconds = ending.seconds
         if task.is_build:
-            state = "built" if code == 0 else f"FAILED: {error}"
+            state = "built" if ending.ok else f"FAILED: {ending.error}"
             self.progress(f"{task.name}: {state} in {seconds:.0f} s")
             return
         self.finished_runs += 1
@@ -315,7 +372,9 @@ class _Scheduler:
         left = self.total_runs - self.finished_runs
         # runs still to go at the mean time of the runs so far, `jobs` at a time
         eta = self.run_seconds / self.finished_runs * left / self.jobs
-        state = DONE if code == 0 else f"CRASHED ({error})"
+        state = DONE if ending.code == 0 else f"CRASHED ({ending.error})"
+        if ending.stopped:
+            state = f"stopped: {ending.stopped}"
         self.progress(
             f"[{self.finished_runs}/{self.total_runs}] {task.name}: {state} in {seconds:.0f} s; "
             f"ETA {_duration(eta)}"

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from megatron_rl.bench.drift import base_models
-from megatron_rl.bench.drift.archive import run_file
 from megatron_rl.bench.drift.collapse import collapse_events, collapse_precursor
 from megatron_rl.bench.drift.grid import DriftGrid, PlannedRun
 from megatron_rl.bench.drift.runner import CRASHED, read_status
@@ -76,21 +74,6 @@ STEP_MEANS = {
 _STEP_MAXIMA = ("replay_miss_max",)
 
 
-def read_metrics(out: Path, run: PlannedRun) -> list[dict[str, Any]]:
-    """The records of the run's metrics.jsonl (from `runs/` or the packed grid's archive; a torn
-    last line, from a killed run, is left out)."""
-    text = run_file(out, run.run_id, "metrics.jsonl")
-    if text is None:
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return records
-
-
 def summarize_run(
     grid: DriftGrid, out: Path, run: PlannedRun, records: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -120,6 +103,7 @@ def summarize_run(
         "layers": (run.shape or grid.base_shape).get("layers"),
         "state": status["state"],
         "error": status.get("error", ""),
+        "stopped": status.get("stopped", ""),  # e.g. at its first collapse (stop_at_collapse)
         "seconds": status.get("seconds"),
         "machine": status.get("machine", ""),  # not recorded before 2026-12-05
         "steps": len(steps),

@@ -638,6 +638,15 @@ def test_accuracy_collapse_is_a_lasting_fall_below_the_best(accuracies, expected
     assert collapse_events(records(accuracies)) == expected
 
 
+def test_a_run_still_going_counts_a_fall_only_once_it_is_confirmed():
+    # what the runner reads to stop a run at its first collapse (stop_at_collapse)
+    once_low = records({0: 0.6, 5: 0.7, 10: 0.5, 15: 0.5})
+    assert collapse_events(once_low) == [(10, "accuracy")]  # the run ended there
+    assert collapse_events(once_low, finished=False) == []  # step 20 may recover
+    twice_low = records({0: 0.6, 5: 0.7, 10: 0.5, 15: 0.5, 20: 0.4})
+    assert collapse_events(twice_low, finished=False) == [(10, "accuracy")]
+
+
 def test_reward_and_nonfinite_collapses():
     low = records({0: 0.6}, {1: 0.5, 2: 0.0, 3: 0.01, 4: 0.0, 5: 0.0})
     assert collapse_events(low) == [(4, "reward")]

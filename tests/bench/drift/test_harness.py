@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -147,6 +148,29 @@ def test_tiny_grid_end_to_end_then_resume(tmp_path, capsys):
         run_drift_benchmark(str(RECIPE), str(grid_file), out, jobs=1, models_dir=models)
 
 
+def test_a_grid_that_stops_at_collapse_stops_the_run_at_its_first_event(tmp_path, capsys):
+    # a learning rate that breaks the tiny model within a few steps; 40 steps if never stopped
+    grid = {
+        "seeds": [1],
+        "set": TINY["set"] | {"run.steps": 40, "optim.lr": 0.05},
+        "arms": {"gspo": None},
+        "sweeps": [],
+        "stop_at_collapse": True,
+    }
+    out = tmp_path / "results"
+    run_drift_benchmark(
+        str(RECIPE), str(write_grid(tmp_path, grid)), out, jobs=1, models_dir=tmp_path / "m"
+    )
+    assert re.search(r"gspo--base--seed1: stopped: collapse at step \d+", capsys.readouterr().out)
+    row = next(csv.DictReader((out / "summary.csv").open()))
+    assert row["state"] == "done" and row["stopped"].startswith("collapse at step ")
+    first, kind = int(row["first_collapse_step"]), row["collapses"].split("@")[0]
+    assert row["stopped"] == f"collapse at step {first} ({kind})"
+    # stopped after the event was confirmed (a fall: by the two evaluations after it, one a
+    # step) and long before the 40 steps
+    assert first + (2 if kind == "accuracy" else 0) <= int(row["steps"]) < 40
+
+
 def test_a_job_array_runs_one_run_per_task_then_reports(tmp_path, capsys):
     """--prepare, --run-index I (a job array's task), --report-only, as docs/drift.md runs them
     on SLURM; the run is the crashing arm's, which ends in seconds."""
@@ -212,6 +236,7 @@ def test_a_job_array_runs_one_run_per_task_then_reports(tmp_path, capsys):
         ({"base_arms": ["grpo"]}, r"base_arms: 'grpo' is not an arm of the grid"),
         ({"seeds": []}, r"seeds: expected a non-empty list of integers"),
         ({"jobs": 2}, r"grid: unknown key 'jobs'"),
+        ({"stop_at_collapse": "yes"}, r"stop_at_collapse: expected true or false, got 'yes'"),
     ],
 )
 def test_bad_grids_are_refused_naming_the_field(tmp_path, change, message):

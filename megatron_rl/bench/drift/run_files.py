@@ -1,7 +1,8 @@
-"""A finished grid's runs in one file: `runs.tar.xz` in the results directory holds each run's
-`metrics.jsonl`, `status.json`, `recipe.yaml` and `train.log`, compressed about tenfold, in place
-of the `runs/` folder. The report reads a run's files from either (`run_file`); a packed grid is
-complete, so nothing runs into it again.
+"""A run's files, from its folder `runs/RUN_ID/` or, once the grid is finished and packed, from
+one archive: `runs.tar.xz` in the results directory holds each run's `metrics.jsonl`,
+`status.json`, `recipe.yaml` and `train.log`, compressed about tenfold, in place of `runs/`. The
+report reads either (`run_file`, `run_metrics`); a packed grid is complete, so nothing runs into
+it again.
 
 Files are read as bytes, decoded, with no newline translation: a train.log holds the carriage
 returns of progress bars. The archive is read into memory member by member (none is extracted to
@@ -12,9 +13,11 @@ modification time.
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 import tarfile
 from pathlib import Path
+from typing import Any
 
 RUNS_ARCHIVE = "runs.tar.xz"
 RUN_FILES = ("metrics.jsonl", "status.json", "recipe.yaml", "train.log")
@@ -38,6 +41,19 @@ def run_file(out: Path, run_id: str, name: str) -> str | None:
     if not archive.is_file():
         return None
     return _members(archive, archive.stat().st_mtime_ns).get(f"{run_id}/{name}")
+
+
+def run_metrics(out: Path, run_id: str) -> list[dict[str, Any]]:
+    """The records of the run's metrics.jsonl, [] before it has any (a torn last line, from a
+    run killed or still writing, is left out)."""
+    text = run_file(out, run_id, "metrics.jsonl")
+    records = []
+    for line in (text or "").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
 
 
 def pack_runs(out: Path, run_ids: list[str]) -> Path:

@@ -1,4 +1,4 @@
-"""A finished grid's runs packed into one archive (bench/drift/archive.py); the report read from
+"""A finished grid's runs packed into one archive (bench/drift/run_files.py); the report read from
 it is checked against the unpacked one end to end in test_harness.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import tarfile
 
 import pytest
 
-from megatron_rl.bench.drift.archive import RUNS_ARCHIVE, ArchiveError, pack_runs, run_file
+from megatron_rl.bench.drift.run_files import RUNS_ARCHIVE, ArchiveError, pack_runs, run_file
 
 
 def _run(out, run_id, **files):
