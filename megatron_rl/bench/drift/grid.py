@@ -14,6 +14,7 @@ A grid file (YAML; every key optional, the default grid is `DEFAULT_GRID`):
                                      # or torchrun and its options ($NAME: from the environment)
     threads: 1                       # torch threads per run
     stop_at_collapse: false          # stop each run at its first collapse event
+    claims: [1, 2, ..., 21]          # the claims the report checks (claims/; default these)
 
 The base point is the recipe with `set`; every arm runs there. A sweep point runs the sweep's
 arms (all by default) with its fields changed; a point equal to the base point is the base
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.bench.drift import base_models
+from megatron_rl.bench.drift.claims import CLAIMS, DRIFT_CLAIMS
 from megatron_rl.config import ConfigError, load_config, read_yaml_mapping
 from megatron_rl.files.hf_checkpoint import read_config
 from megatron_rl.models.families import family_for
@@ -243,6 +245,7 @@ _GRID_KEYS = (
     "launcher",
     "threads",
     "stop_at_collapse",
+    "claims",
 )
 _SWEEP_KEYS = ("name", "field", "values", "points", "arms")
 
@@ -285,6 +288,9 @@ class DriftGrid:
     # stop a run at its first collapse event (collapse.py): a survival experiment's runs need
     # no steps past it
     stop_at_collapse: bool = False
+    # the claims its report checks, by number (claims/); not part of its identity: they change
+    # what is read from the runs, not the runs
+    claims: tuple[int, ...] = DRIFT_CLAIMS
     runs: list[PlannedRun] = field(default_factory=list)
 
     def identity(self) -> dict[str, Any]:
@@ -350,6 +356,13 @@ def load_grid(recipe_path: str | Path, grid: GridSource, overrides: list[str] = 
     stop_at_collapse = raw.get("stop_at_collapse", False)
     if not isinstance(stop_at_collapse, bool):
         raise GridError(f"stop_at_collapse: expected true or false, got {stop_at_collapse!r}")
+    claims = raw.get("claims", list(DRIFT_CLAIMS))
+    if not isinstance(claims, list) or not all(
+        isinstance(n, int) and 1 <= n <= len(CLAIMS) for n in claims
+    ):
+        raise GridError(
+            f"claims: expected a list of claim numbers 1 .. {len(CLAIMS)}, got {claims!r}"
+        )
     base_shape = _model_shape(base_recipe.model.hf_path)
     grid = DriftGrid(
         recipe_path=str(recipe_path),
@@ -364,6 +377,7 @@ def load_grid(recipe_path: str | Path, grid: GridSource, overrides: list[str] = 
         base_shape=base_shape,
         base_model=base_model,
         stop_at_collapse=stop_at_collapse,
+        claims=tuple(claims),
     )
     grid.runs.extend(_plan(grid))
     return grid

@@ -63,7 +63,7 @@ def write_report(grid: DriftGrid, out: Path) -> Path:
     write_summary_csv(rows, out / "summary.csv")
     done = [row for row in rows if row["state"] == "done"]
     plots = [plot(done, curves, out) for plot in PLOTS]
-    claims = check_claims(rows)
+    claims = check_claims(rows, grid.claims)
     path = out / "report.md"
     write_text_atomic(path, format_report(rows, claims, [p for p in plots if p is not None]))
     return path

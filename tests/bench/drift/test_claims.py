@@ -21,6 +21,7 @@ ARMS = {
     "grpo_tis": ("grpo", "none", "tis", False),
     "grpo_mis_geometric": ("grpo", "none", "mis", False),
     "grpo_tis_mis_geometric": ("grpo", "none", "tis+mis_geometric", False),
+    "gspo_r2": ("gspo", "r2", "none", False),
 }
 
 
@@ -698,3 +699,63 @@ def test_precursor_drift_falls_back_and_a_flat_baseline_moves_on_any_change():
     assert collapse_precursor(old, 12) == ("drift", 9)
     flat = [{"step": s, "grad_norm": 1.0 if s < 7 else 1.001} for s in range(1, 13)]
     assert collapse_precursor(flat, 12) == ("grad_norm", 7)
+
+
+def collapse_point(arm: str, collapsed_seeds: set[int], seeds: int = 12) -> list[dict]:
+    """`arm`'s runs at the collapse point over `seeds` paired seeds, those in `collapsed_seeds`
+    collapsing at step 20 + seed (stopped there), the others running all 60 steps."""
+    at = {"updates_per_batch": 8, "engine_dtype": "bfloat16", "cell": "collapse"}
+    rows = []
+    for seed in range(1, seeds + 1):
+        collapsed = seed in collapsed_seeds
+        rows.append(
+            row(arm, seed, **at)
+            | {
+                "collapse_events": int(collapsed),
+                "first_collapse_step": 20 + seed if collapsed else None,
+                "steps": 22 + seed if collapsed else 60,
+            }
+        )
+    return rows
+
+
+def test_gspo_survives_as_well_when_grpo_with_replay_collapses_far_more():
+    rows = collapse_point("gspo", set()) + collapse_point("grpo_r2", {1, 2, 3, 4, 5, 6})
+    claim = claims.gspo_survives_as_well_as_r2(rows)
+    assert claim.number == 22 and claim.verdict == "PASS"  # -0.5, interval under +0.10
+    assert "GSPO 0 of 12 collapsed" in claim.evidence and "GRPO + R2 6 of 12" in claim.evidence
+    assert "collapsed first: candidate in 0, reference in 6 of 12 seeds" in claim.evidence
+    # the reverse: GSPO collapses in 8 more seeds than R2
+    worse = collapse_point("gspo", set(range(1, 11))) + collapse_point("grpo_r2", {1, 2})
+    assert verdict(claims.gspo_survives_as_well_as_r2, worse) == "FAIL"
+    # one collapse against none: too few seeds to tell, and it says how many would
+    close = collapse_point("gspo", {3}) + collapse_point("grpo_r2", set())
+    claim = claims.gspo_survives_as_well_as_r2(close)
+    assert claim.verdict == "INCONCLUSIVE" and "paired seeds to decide" in claim.evidence
+
+
+def test_survival_claims_need_a_cell_that_collapsed_and_the_arms_in_it():
+    calm = collapse_point("gspo", set()) + collapse_point("grpo_r3", set())
+    claim = claims.gspo_survives_as_well_as_r3(calm)
+    assert claim.verdict == "NOT TESTED" and "not a collapse point" in claim.evidence
+    base = arms("gspo", "grpo_r3")  # 4 updates, float32 engine: not the collapse point
+    assert "needs GSPO and GRPO + R3" in claims.gspo_survives_as_well_as_r3(base).evidence
+
+
+def test_replay_helps_grpo_survive_only_with_fewer_collapses_over_paired_seeds():
+    helps = collapse_point("grpo_r2", set()) + collapse_point("grpo", {1, 2, 3, 4, 5, 6, 7})
+    assert verdict(claims.replay_helps_grpo_survive, helps) == "PASS"
+    # as many collapses with replay as without: a gain of 10 points is not excluded by 12 seeds
+    same = collapse_point("grpo_r2", {1, 2, 3}) + collapse_point("grpo", {1, 2, 3})
+    assert verdict(claims.replay_helps_grpo_survive, same) == "INCONCLUSIVE"
+    # far more collapses with replay: no gain of 10 points
+    worse = collapse_point("grpo_r2", set(range(1, 10))) + collapse_point("grpo", {1})
+    assert verdict(claims.replay_helps_grpo_survive, worse) == "FAIL"
+
+
+def test_a_grid_checks_the_claims_it_names():
+    rows = collapse_point("gspo", set()) + collapse_point("grpo_r2", {1, 2})
+    checked = claims.check_claims(rows, (15, 22, 23, 24))
+    assert [c.number for c in checked] == [15, 22, 23, 24]
+    with pytest.raises(ValueError, match="claims: 25 is not a claim's number"):
+        claims.check_claims(rows, (22, 25))

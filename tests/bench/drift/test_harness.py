@@ -237,6 +237,10 @@ def test_a_job_array_runs_one_run_per_task_then_reports(tmp_path, capsys):
         ({"seeds": []}, r"seeds: expected a non-empty list of integers"),
         ({"jobs": 2}, r"grid: unknown key 'jobs'"),
         ({"stop_at_collapse": "yes"}, r"stop_at_collapse: expected true or false, got 'yes'"),
+        (
+            {"claims": [22, 99]},
+            r"claims: expected a list of claim numbers 1 \.\. 24, got \[22, 99\]",
+        ),
     ],
 )
 def test_bad_grids_are_refused_naming_the_field(tmp_path, change, message):
@@ -335,6 +339,20 @@ def test_the_first_grid_file_plans_the_checked_in_report():
     deep = [r for r in grid.runs if r.cell == "layers=8"]
     assert all(r.shape == {"layers": 8, "experts": 8, "topk": 2} for r in deep)
     assert len(grid.runs) == 84  # docs/benchmarks/drift-tiny/report.md
+
+
+def test_the_collapse_point_grid_plans_twelve_paired_seeds_there_and_stops_at_collapse():
+    grid = load_grid(str(RECIPE), str(RECIPE.parent / "collapse_point.yaml"))
+    assert len(grid.runs) == 5 * 12 and {run.cell for run in grid.runs} == {"base"}
+    assert {run.arm for run in grid.runs} == {"grpo", "grpo_r2", "grpo_r3", "gspo", "gspo_r2"}
+    for run in grid.runs:
+        assert run.recipe.algo.updates_per_batch == 8 and run.recipe.run.steps == 60
+        assert run.recipe.rollout.engine_dtype == "bfloat16"
+        assert run.shape == {"shape": "fine_qwen3_e128"}
+    assert grid.stop_at_collapse and grid.claims == (15, 22, 23, 24)
+    # the claims it reads do not identify the grid; stopping at a collapse does
+    assert "claims" not in grid.identity() and grid.identity()["stop_at_collapse"] is True
+    assert "stop_at_collapse" not in load_grid(str(RECIPE), None).identity()
 
 
 def test_cluster_example_grid_and_recipe_are_valid():

@@ -4,8 +4,9 @@ NOT TESTED, with the numbers and the drift regime behind each verdict.
 Each claim is a pure function of the rows (summary.py; the ones of finished runs), so that it is
 tested on synthetic rows in both directions. Its rule sits beside it, in the module of what it is
 about: routing.py (the routing's drift), training.py (clipping, stability, collapses), engine.py
-(the rollout engine and replay's cost); the thresholds, models and arms they share are in
-common.py. `CLAIMS` lists them in the report's order, which is their number.
+(the rollout engine and replay's cost), survival.py (the collapse point); the thresholds, models
+and arms they share are in common.py. `CLAIMS` lists them in the report's order, which is their
+number; a grid checks the ones it names (its `claims`; the default grid's are `DRIFT_CLAIMS`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from megatron_rl.bench.drift.claims.routing import (
     routing_causes_most_log_ratio,
     sigmoid_routers_drift_more,
     tails_fatten_without_replay,
+)
+from megatron_rl.bench.drift.claims.survival import (
+    gspo_survives_as_well_as_r2,
+    gspo_survives_as_well_as_r3,
+    replay_helps_grpo_survive,
 )
 from megatron_rl.bench.drift.claims.training import (
     corrections_instead_of_replay,
@@ -61,10 +67,18 @@ CLAIMS = (
     float8_reaches_moe_mismatch,
     corrections_instead_of_replay,
     main_regime_holds,
+    gspo_survives_as_well_as_r2,
+    gspo_survives_as_well_as_r3,
+    replay_helps_grpo_survive,
 )
+# the literature's claims on routing drift, which the default grid checks
+DRIFT_CLAIMS = tuple(range(1, 22))
 
 
-def check_claims(rows: list[Row]) -> list[Claim]:
-    """Every claim on the rows of the runs that finished."""
+def check_claims(rows: list[Row], numbers: tuple[int, ...] = DRIFT_CLAIMS) -> list[Claim]:
+    """The claims numbered `numbers`, in that order, on the rows of the runs that finished."""
+    unknown = [n for n in numbers if not 1 <= n <= len(CLAIMS)]
+    if unknown:
+        raise ValueError(f"claims: {unknown[0]} is not a claim's number (1 .. {len(CLAIMS)})")
     done = [row for row in rows if row["state"] == "done"]
-    return [claim(done) for claim in CLAIMS]
+    return [CLAIMS[number - 1](done) for number in numbers]
