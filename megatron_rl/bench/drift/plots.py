@@ -22,11 +22,13 @@ from megatron_rl.bench.drift.claims.common import (
     group_by,
     is_frozen,
 )
+from megatron_rl.bench.drift.claims.survival import at_collapse_point, run_time
 from megatron_rl.bench.drift.collapse import (
     PRECURSOR_BASELINE,
     PRECURSOR_METRICS,
     PRECURSOR_Z,
 )
+from megatron_rl.bench.drift.survival import RunTime, kaplan_meier
 from megatron_rl.moe.margins import bucket_names
 
 Row = dict[str, Any]
@@ -480,6 +482,52 @@ def _plot_tails(rows: list[Row], curves: dict[str, list[Row]], out: Path) -> Plo
 
 
 # Every plot of the report, in its order: (finished rows, run id -> per-step records, directory)
+def survival_by_arm(rows: list[Row]) -> dict[str, list[RunTime]]:
+    """The runs at the collapse point (claims/survival.py) as survival data, by arm, when any
+    of them collapsed; {} otherwise."""
+    at_point = [row for row in rows if at_collapse_point(row)]
+    by_arm = {
+        arm: [run_time(r) for r in arm_rows] for arm, arm_rows in group_by(at_point, "arm").items()
+    }
+    return by_arm if any(run.collapsed for runs in by_arm.values() for run in runs) else {}
+
+
+def _plot_survival(rows: list[Row], curves: dict[str, list[Row]], out: Path) -> Plot | None:
+    """Kaplan-Meier curves of the arms at the collapse point: the share of runs without a
+    collapse by each step, with its pointwise 95% interval."""
+    by_arm = survival_by_arm(rows)
+    if not by_arm:
+        return None
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    last = max(run.step for runs in by_arm.values() for run in runs)
+    for arm, runs in by_arm.items():
+        points = kaplan_meier(runs)
+        steps = [0, *(p.step for p in points), last]
+        survival = [1.0, *(p.survival for p in points)]
+        low = [1.0, *(p.low for p in points)]
+        high = [1.0, *(p.high for p in points)]
+        (line,) = ax.step(
+            steps, [*survival, survival[-1]], where="post", label=f"{arm} ({len(runs)})"
+        )
+        ax.fill_between(
+            steps,
+            [*low, low[-1]],
+            [*high, high[-1]],
+            step="post",
+            alpha=0.15,
+            color=line.get_color(),
+        )
+    ax.set(
+        xlabel="step",
+        ylabel="share of runs without a collapse",
+        ylim=(-0.02, 1.02),
+        title="Survival at the collapse point (Kaplan-Meier, 95% band)",
+    )
+    ax.legend(fontsize=7)
+    return _save(fig, out, "survival.png", "Survival at the collapse point")
+
+
 PLOTS: tuple[Callable[[list[Row], dict[str, list[Row]], Path], Plot | None], ...] = (
     _plot_drift_vs_step,
     _plot_layers,
@@ -491,4 +539,5 @@ PLOTS: tuple[Callable[[list[Row], dict[str, list[Row]], Path], Plot | None], ...
     _plot_off_policy,
     _plot_clip,
     _plot_tails,
+    _plot_survival,
 )

@@ -24,13 +24,14 @@ from megatron_rl.bench.drift.collapse import (
     REWARD_FLOOR_STEPS,
 )
 from megatron_rl.bench.drift.grid import DriftGrid
-from megatron_rl.bench.drift.plots import PLOTS, Plot, routers_free
+from megatron_rl.bench.drift.plots import PLOTS, Plot, routers_free, survival_by_arm
 from megatron_rl.bench.drift.run_files import run_metrics
 from megatron_rl.bench.drift.summary import (
     STEP_PHASES,
     summarize_run,
     write_summary_csv,
 )
+from megatron_rl.bench.drift.survival import kaplan_meier, wilson
 from megatron_rl.files.atomic import write_text_atomic
 
 Row = dict[str, Any]
@@ -111,6 +112,9 @@ def format_report(rows: list[Row], claims: list[Claim], plots: list[Plot]) -> st
             "",
             *_cell_table(cell_rows),
         ]
+    survival = survival_table(done)
+    if survival:
+        lines += ["", "## Survival at the collapse point", "", *survival]
     lines += ["", "## Where the time went", "", *time_table(rows)]
     if crashed:
         lines += ["", "## Crashed runs", "", "| run | error |", "|---|---|"]
@@ -118,6 +122,35 @@ def format_report(rows: list[Row], claims: list[Claim], plots: list[Plot]) -> st
     lines += ["", "## Plots", ""]
     lines += [f"### {title}\n\n![{title}]({name})\n" for title, name in plots]
     return "\n".join(lines) + "\n"
+
+
+def survival_table(rows: list[Row]) -> list[str]:
+    """Per arm at the collapse point (claims/survival.py): its runs, how many collapsed (the
+    rate's Wilson 95% interval), the Kaplan-Meier share without a collapse at the last step a
+    run reached and the steps of the collapses; [] when nothing collapsed there."""
+    by_arm = survival_by_arm(rows)
+    if not by_arm:
+        return []
+    lines = [
+        "| arm | runs | collapsed | collapse rate (95%) | without a collapse at the end (95%) "
+        "| collapse steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, runs in by_arm.items():
+        collapsed = sorted(run.step for run in runs if run.collapsed)
+        low, high = wilson(len(collapsed), len(runs))
+        curve = kaplan_meier(runs)
+        end = (
+            f"{curve[-1].survival:.2f} [{curve[-1].low:.2f}, {curve[-1].high:.2f}]"
+            if curve
+            else "1"
+        )
+        steps = ", ".join(str(step) for step in collapsed) or "-"
+        lines.append(
+            f"| {arm} | {len(runs)} | {len(collapsed)} | {len(collapsed) / len(runs):.2f} "
+            f"[{low:.2f}, {high:.2f}] | {end} | {steps} |"
+        )
+    return lines
 
 
 # what each phase of a step is (summary.STEP_PHASES)

@@ -470,3 +470,23 @@ def test_every_plot_runs_on_an_old_tiny_grid(tmp_path):
     }
     for _, name in filter(None, written.values()):
         assert (tmp_path / name).read_bytes()[:4] == PNG
+
+
+def test_survival_at_the_collapse_point_is_tabled_and_drawn_once_a_run_collapsed_there(tmp_path):
+    rows, curves = grid_like()
+    assert report.survival_table(rows) == []  # its one collapse is at the base point
+    assert plots._plot_survival(rows, curves, tmp_path) is None
+    collapsed = f"grpo--{BF16.format(8)}--seed1"
+    hit = [
+        r | {"collapse_events": 1, "first_collapse_step": 9} if r["run_id"] == collapsed else r
+        for r in rows
+    ]
+    table = report.survival_table(hit)
+    grpo = next(line for line in table if line.startswith("| grpo |"))
+    # 1 of 2 (Wilson [0.09, 0.91]); Kaplan-Meier 0.5 after step 9; its collapse step
+    assert grpo.startswith("| grpo | 2 | 1 | 0.50 [0.09, 0.91] | 0.50 [") and grpo.endswith("| 9 |")
+    assert next(line for line in table if line.startswith("| gspo |")).endswith("| 1 | - |")
+    check_png(plots._plot_survival(hit, curves, tmp_path), tmp_path, "survival.png")
+    assert plots._plot_survival in plots.PLOTS
+    text = report.format_report(hit, check_claims(hit), [])
+    assert "## Survival at the collapse point" in text
