@@ -13,6 +13,7 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.local import LocalEngine
 from megatron_rl.rollout.local_process import LocalEngineProcess
+from megatron_rl.rollout.route_flips import RouteFlips
 from megatron_rl.rollout.sglang import (
     RetryPolicy,
     ServerGroup,
@@ -52,6 +53,9 @@ def open_engine(
             "max_batch_size": rollout.max_batch_size,
             "dtype": torch.float32 if emulate_fp8 else getattr(torch, rollout.engine_dtype),
             "emulate_fp8": emulate_fp8,
+            "route_flips": None
+            if rollout.flip_routes == 0
+            else RouteFlips(rollout.flip_routes, rollout.flip_routes_at, seed),
         }
         if not rollout.local_process:
             return LocalEngine.from_pretrained(hf_path, **engine_options)

@@ -10,6 +10,8 @@ from megatron_rl.rollout.sglang.config import SGLangConfig
 
 EngineDtype = Literal["float32", "bfloat16", "float8_emulated"]
 """The local engine's precisions (RolloutConfig.engine_dtype)."""
+FlipAt = Literal["margin", "random"]
+"""Which tokens' routes the local engine flips (RolloutConfig.flip_routes_at)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +43,13 @@ class RolloutConfig:
     float8_emulated rounds every linear layer's weights (128x128 blocks) and inputs (per token,
     groups of 128), routers included, to FP8 e4m3 as FP8 engines do, computing in float32
     (megatron_rl.rollout.fp8_emulation)."""
+    flip_routes: float = 0.0
+    """The local engine flips this share of the tokens' routes at every router call of a
+    generation (the k-th expert for the (k+1)-th), a set dose of routing mismatch with the
+    trainer (megatron_rl.rollout.route_flips; softmax top-k routers). 0: none."""
+    flip_routes_at: FlipAt = "margin"
+    """Which tokens' routes rollout.flip_routes flips: margin, those whose k-th and (k+1)-th
+    router logits are closest (as a low-precision engine does), or random (the control)."""
     sync_bucket_mb: int = 512
     """Weight sync bucket size in MiB (tensors per transfer)."""
     probe_every: int = 1
@@ -100,6 +109,19 @@ class RolloutConfig:
             raise ConfigError(
                 "rollout.partial_rollouts: needs rollout.max_staleness >= 1 (in lock-step no "
                 "generation is in flight when the weights are synced)"
+            )
+        if not 0 <= self.flip_routes < 1:
+            raise ConfigError(
+                f"rollout.flip_routes: expected a share in [0, 1), got {self.flip_routes}"
+            )
+        if self.flip_routes_at not in get_args(FlipAt):  # a config built in code
+            raise ConfigError(
+                f"rollout.flip_routes_at: expected margin or random, got {self.flip_routes_at!r}"
+            )
+        if self.flip_routes and self.backend != "local":
+            raise ConfigError(
+                f"rollout.flip_routes: the local engine flips routes; rollout.backend="
+                f"{self.backend} does not"
             )
         if self.probe_every < 0:
             raise ConfigError(f"rollout.probe_every: expected >= 0, got {self.probe_every}")

@@ -37,6 +37,7 @@ from megatron_rl.rollout.engine import (
 )
 from megatron_rl.rollout.fp8_emulation import Fp8Emulation, quantize_weight_blocks
 from megatron_rl.rollout.kv_cache import preallocated_cache
+from megatron_rl.rollout.route_flips import RouteFlips, check_flippable
 
 
 class WeightUpdateError(ValueError):
@@ -226,15 +227,25 @@ class LocalEngine:
         max_batch_size: sequences generated together; larger requests run in chunks.
         emulate_fp8: round the linear layers' weights (now and at every update) and their
             inputs to e4m3 as an FP8 engine does (fp8_emulation; the model must be float32).
+        route_flips: flip a dose of the routes of every generation (route_flips.py).
     """
 
     def __init__(
-        self, model: PreTrainedModel, *, max_batch_size: int = 256, emulate_fp8: bool = False
+        self,
+        model: PreTrainedModel,
+        *,
+        max_batch_size: int = 256,
+        emulate_fp8: bool = False,
+        route_flips: RouteFlips | None = None,
     ) -> None:
         self.model = model.eval()
         self.max_batch_size = max_batch_size
         self._names = _CheckpointNameMap(self.model)
         self._routers = [m for m in self.model.modules() if type(m).__name__.endswith("Router")]
+        self._flip = None
+        if route_flips is not None and route_flips.share > 0:
+            check_flippable(self._routers)
+            self._flip = route_flips.hook()  # one generator for the engine's life
         if emulate_fp8:
             kept = [self.model.get_input_embeddings(), self.model.get_output_embeddings()]
             emulation = Fp8Emulation(self.model, routers=self._routers, unquantised=kept)
@@ -258,12 +269,18 @@ class LocalEngine:
         max_batch_size: int = 256,
         dtype: torch.dtype = torch.float32,
         emulate_fp8: bool = False,
+        route_flips: RouteFlips | None = None,
     ) -> LocalEngine:
         """An engine on the Hugging Face checkpoint in `hf_dir` (config.json + safetensors), its
         weights in `dtype` (synced weights are cast to it too), rounded to e4m3 with
-        `emulate_fp8` (dtype float32)."""
+        `emulate_fp8` (dtype float32), flipping `route_flips`' dose of routes."""
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
-        return cls(model, max_batch_size=max_batch_size, emulate_fp8=emulate_fp8)
+        return cls(
+            model,
+            max_batch_size=max_batch_size,
+            emulate_fp8=emulate_fp8,
+            route_flips=route_flips,
+        )
 
     @property
     def weight_version(self) -> int:
@@ -346,8 +363,10 @@ class LocalEngine:
         stop_ids = torch.tensor(params.stop_token_ids or (-1,))
         routing: list[Tensor] = []  # per router call, in call order: [tokens, topk]
         hooks = []
+        if self._flip is not None:  # first: the record below keeps the flipped routing
+            hooks = [r.register_forward_hook(self._flip) for r in self._routers]
         if return_routed_experts:
-            hooks = [r.register_forward_hook(self._record_into(routing)) for r in self._routers]
+            hooks += [r.register_forward_hook(self._record_into(routing)) for r in self._routers]
         capacity = tokens.shape[1] + params.max_new_tokens
         cache, cache_version = preallocated_cache(self.model.config, capacity), self._version
         try:

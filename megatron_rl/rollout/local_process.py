@@ -28,6 +28,7 @@ import transformers
 from megatron_rl.process.children import die_with_parent
 from megatron_rl.rollout.engine import Sample, SamplingParams, WeightBucket
 from megatron_rl.rollout.local import LocalEngine
+from megatron_rl.rollout.route_flips import RouteFlips
 
 _END_OF_UPDATE = "end of update"
 _CLOSE_WITHIN_S = 30.0
@@ -44,11 +45,12 @@ class LocalEngineProcess:
         max_batch_size: int = 256,
         dtype: torch.dtype = torch.float32,
         emulate_fp8: bool = False,
+        route_flips: RouteFlips | None = None,
     ) -> None:
         context = torch.multiprocessing.get_context("spawn")
         self._generation, generation_end = context.Pipe()
         self._control, control_end = context.Pipe()
-        engine_args = (str(hf_dir), max_batch_size, dtype, emulate_fp8)
+        engine_args = (str(hf_dir), max_batch_size, dtype, emulate_fp8, route_flips)
         self._process = context.Process(
             target=_serve,
             args=(os.getpid(), generation_end, control_end, *engine_args),
@@ -153,6 +155,7 @@ def _serve(
     max_batch_size: int,
     dtype: torch.dtype,
     emulate_fp8: bool,
+    route_flips: RouteFlips | None,
 ) -> None:
     """The child: the engine, the generation pipe served on a thread, the control pipe here."""
     die_with_parent(parent_pid)
@@ -162,7 +165,11 @@ def _serve(
     # serving threads.
     transformers.utils.logging.disable_progress_bar()
     engine = LocalEngine.from_pretrained(
-        hf_dir, max_batch_size=max_batch_size, dtype=dtype, emulate_fp8=emulate_fp8
+        hf_dir,
+        max_batch_size=max_batch_size,
+        dtype=dtype,
+        emulate_fp8=emulate_fp8,
+        route_flips=route_flips,
     )
     generating = threading.Thread(target=_answer_requests, args=(engine, generation))
     generating.start()

@@ -342,7 +342,7 @@ def test_the_first_grid_file_plans_the_checked_in_report():
 
 
 def test_the_collapse_point_grid_plans_twelve_paired_seeds_there_and_stops_at_collapse():
-    grid = load_grid(str(RECIPE), str(RECIPE.parent / "collapse_point.yaml"))
+    grid = load_grid(str(RECIPE), str(RECIPE.parent / "collapse_point_drift.yaml"))
     assert len(grid.runs) == 5 * 12 and {run.cell for run in grid.runs} == {"base"}
     assert {run.arm for run in grid.runs} == {"grpo", "grpo_r2", "grpo_r3", "gspo", "gspo_r2"}
     for run in grid.runs:

@@ -2,7 +2,7 @@
 bfloat16 engine on the main model, where the 128-expert grid's collapses gathered, does GSPO
 without replay survive as well as GRPO with replay, and does replay help GRPO?
 
-Fixed before the collapse-point grid ran (examples/moe/collapse_point.yaml, issue 52):
+Fixed before the collapse-point grid ran (examples/moe/collapse_point_drift.yaml, issue 52):
 - `COLLAPSE_POINT`: the cell, by its updates per batch and engine precision;
 - a run's time is the step of its first collapse event, or its last step (censored);
 - "survives at least as well" compares collapse rates over paired seeds: the candidate's minus
