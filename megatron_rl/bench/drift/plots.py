@@ -22,6 +22,7 @@ from megatron_rl.bench.drift.claims.common import (
     group_by,
     is_frozen,
 )
+from megatron_rl.bench.drift.claims.dose import dose_of, dosed_rows, flipped_at
 from megatron_rl.bench.drift.claims.survival import at_collapse_point, run_time
 from megatron_rl.bench.drift.collapse import (
     PRECURSOR_BASELINE,
@@ -29,6 +30,7 @@ from megatron_rl.bench.drift.collapse import (
     PRECURSOR_Z,
 )
 from megatron_rl.bench.drift.survival import RunTime, kaplan_meier
+from megatron_rl.bench.drift.uncertainty import student_t_quantile
 from megatron_rl.moe.margins import bucket_names
 
 Row = dict[str, Any]
@@ -528,6 +530,50 @@ def _plot_survival(rows: list[Row], curves: dict[str, list[Row]], out: Path) -> 
     return _save(fig, out, "survival.png", "Survival at the collapse point")
 
 
+def _plot_doses(rows: list[Row], curves: dict[str, list[Row]], out: Path) -> Plot | None:
+    """Final held-out accuracy and the engine-vs-trainer k3 (means over seeds, 95% t intervals)
+    against the share of routes the engine flipped, per arm: margin-chosen flips solid, random
+    ones dashed, both from the arm's dose-0 runs."""
+    cell = dosed_rows(rows)
+    if not any(dose_of(r) > 0 for r in cell):
+        return None
+    fig = Figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2)
+    for arm, arm_rows in group_by(cell, "arm").items():
+        colour = None
+        for at, style in (("margin", "-"), ("random", "--")):
+            runs = [r for r in arm_rows if flipped_at(r) == at or dose_of(r) == 0]
+            for ax, column in zip(axes, ("final_accuracy", "mismatch_k3"), strict=True):
+                doses, means, halves = _dose_curve(runs, column)
+                if len(doses) < 2:
+                    continue
+                bars = ax.errorbar(doses, means, yerr=halves, linestyle=style, marker="o")
+                bars[0].set(color=colour or bars[0].get_color(), label=f"{arm} ({at})")
+                colour = bars[0].get_color()
+    for ax, label in zip(axes, ("final held-out accuracy", "engine-vs-trainer k3"), strict=True):
+        ax.set_xscale("symlog", linthresh=0.01)
+        ax.set(xlabel="share of routes flipped per router call", ylabel=label)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=6)
+    return _save(fig, out, "dose_response.png", "Dose-response: flipped routes")
+
+
+def _dose_curve(runs: list[Row], column: str) -> tuple[list[float], list[float], list[float]]:
+    """The doses of `runs` that measured `column`, its mean over each dose's runs and the half
+    width of that mean's 95% t interval (0 under two runs)."""
+    doses, means, halves = [], [], []
+    for dose in sorted({dose_of(r) for r in runs}):
+        values = [r[column] for r in runs if dose_of(r) == dose and r.get(column) is not None]
+        if not values:
+            continue
+        doses.append(dose)
+        means.append(statistics.fmean(values))
+        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        t = student_t_quantile(0.975, len(values) - 1) if len(values) > 1 else 0.0
+        halves.append(t * spread / math.sqrt(len(values)))
+    return doses, means, halves
+
+
 PLOTS: tuple[Callable[[list[Row], dict[str, list[Row]], Path], Plot | None], ...] = (
     _plot_drift_vs_step,
     _plot_layers,
@@ -540,4 +586,5 @@ PLOTS: tuple[Callable[[list[Row], dict[str, list[Row]], Path], Plot | None], ...
     _plot_clip,
     _plot_tails,
     _plot_survival,
+    _plot_doses,
 )

@@ -17,6 +17,12 @@ from megatron_rl.bench.drift.claims.common import (
     machine_counts,
     mean_of,
 )
+from megatron_rl.bench.drift.claims.dose import (
+    PRECISION_K3,
+    calibrated_doses,
+    dosed_rows,
+    margin_doses,
+)
 from megatron_rl.bench.drift.collapse import (
     ACCURACY_DROP,
     RECOVERY_EVALS,
@@ -115,6 +121,9 @@ def format_report(rows: list[Row], claims: list[Claim], plots: list[Plot]) -> st
     survival = survival_table(done)
     if survival:
         lines += ["", "## Survival at the collapse point", "", *survival]
+    calibration = dose_calibration(done)
+    if calibration:
+        lines += ["", "## Flipped routes against engine precision", "", calibration]
     lines += ["", "## Where the time went", "", *time_table(rows)]
     if crashed:
         lines += ["", "## Crashed runs", "", "| run | error |", "|---|---|"]
@@ -151,6 +160,23 @@ def survival_table(rows: list[Row]) -> list[str]:
             f"[{low:.2f}, {high:.2f}] | {end} | {steps} |"
         )
     return lines
+
+
+def dose_calibration(rows: list[Row]) -> str:
+    """Which dose of margin-chosen flips gives GRPO the k3 of a bfloat16 and of a float8 engine
+    (claims/dose.py), or "" without a dose-response grid."""
+    if not margin_doses(dosed_rows(rows)):
+        return ""
+    found = calibrated_doses(rows)
+    parts = [
+        f"{precision} ({PRECISION_K3[precision]:.1e}): "
+        + ("outside the doses measured" if dose is None else f"about {dose:.3g}")
+        for precision, dose in found.items()
+    ]
+    return (
+        "The share of routes flipped at the smallest margins at which GRPO's engine-vs-trainer "
+        f"k3 equals an engine precision's (log-log between the doses): {'; '.join(parts)}."
+    )
 
 
 # what each phase of a step is (summary.STEP_PHASES)

@@ -99,6 +99,8 @@ def summarize_run(
         "lr": recipe.optim.lr,
         "freeze_router": recipe.optim.freeze_router,
         "engine_dtype": recipe.rollout.engine_dtype,
+        "flip_routes": recipe.rollout.flip_routes,
+        "flip_routes_at": recipe.rollout.flip_routes_at,
         "model": model_name(grid, run),
         "layers": (run.shape or grid.base_shape).get("layers"),
         "state": status["state"],

@@ -757,5 +757,78 @@ def test_a_grid_checks_the_claims_it_names():
     rows = collapse_point("gspo", set()) + collapse_point("grpo_r2", {1, 2})
     checked = claims.check_claims(rows, (15, 22, 23, 24))
     assert [c.number for c in checked] == [15, 22, 23, 24]
-    with pytest.raises(ValueError, match="claims: 25 is not a claim's number"):
-        claims.check_claims(rows, (22, 25))
+    with pytest.raises(ValueError, match="claims: 28 is not a claim's number"):
+        claims.check_claims(rows, (22, 28))
+
+
+DOSES = (0.03, 0.1, 0.3)
+
+
+def dosed(arm: str, accuracy, seeds=(1, 2, 3, 4)) -> list[dict]:
+    """`arm`'s runs at dose 0 and at each margin- and random-chosen dose of DOSES, float32 engine;
+    final accuracy `accuracy(dose, at, seed)`."""
+    out = []
+    for dose, at in [(0.0, "margin"), *((d, a) for d in DOSES for a in ("margin", "random"))]:
+        for seed in seeds:
+            cell = "base" if dose == 0 else f"flip_routes={dose}__flip_routes_at={at}"
+            out.append(
+                row(arm, seed, cell)
+                | {
+                    "flip_routes": dose,
+                    "flip_routes_at": at,
+                    "final_accuracy": accuracy(dose, at, seed),
+                    # runs of two doses are never the same computation (stability.duplicates)
+                    "reward_mean": 0.5 + 0.01 * dose + (at == "random") * 0.001,
+                    "mismatch_k3": 1e-4 * dose,
+                }
+            )
+    return out
+
+
+def falls_from(threshold: float, step: float = 0.2):
+    """Final accuracy 0.7 (+ a seed wobble) below `threshold`, `step` lower from it on."""
+    return lambda dose, at, seed: 0.7 + 0.002 * seed - (step if dose >= threshold else 0.0)
+
+
+def test_every_method_falls_with_the_dose_and_grpo_first():
+    methods = ("grpo", "grpo_r3", "gspo", "grpo_tis")
+    rows = dosed("grpo", falls_from(0.03)) + [
+        r for arm in methods[1:] for r in dosed(arm, falls_from(0.1))
+    ]
+    claim = claims.stability_falls_with_dose(rows)
+    assert claim.number == 25 and claim.verdict == "PASS"
+    assert "GRPO less stable from 0.03" in claim.evidence
+    assert "GSPO less stable from 0.1" in claim.evidence
+    # GSPO unmoved even at 0.3: its stability does not fall
+    flat = [r for r in rows if r["arm"] != "gspo"] + dosed("gspo", falls_from(9.0))
+    assert verdict(claims.stability_falls_with_dose, flat) == "FAIL"
+    # another method falls before GRPO
+    late = dosed("grpo", falls_from(0.3)) + [
+        r for arm in methods[1:] for r in dosed(arm, falls_from(0.1))
+    ]
+    assert verdict(claims.stability_falls_with_dose, late) == "FAIL"
+    assert verdict(claims.stability_falls_with_dose, arms("grpo", "gspo")) == "NOT TESTED"
+
+
+def test_margin_flips_hurt_more_than_random_ones_paired_by_arm_dose_and_seed():
+    def hurt(margin_loss: float):
+        return lambda dose, at, seed: (
+            0.7 + 0.01 * seed - (margin_loss if at == "margin" and dose else 0)
+        )
+
+    assert verdict(claims.margin_flips_hurt_more, dosed("grpo", hurt(0.1))) == "PASS"
+    claim = claims.margin_flips_hurt_more(dosed("grpo", hurt(0.0)))
+    assert claim.verdict == "FAIL" and "(12 pairs)" in claim.evidence  # 3 doses x 4 seeds
+    noisy = dosed("grpo", lambda d, at, seed: 0.7 + (0.2 if (seed + (at == "margin")) % 2 else 0))
+    assert verdict(claims.margin_flips_hurt_more, noisy) == "INCONCLUSIVE"
+
+
+def test_r3_removes_the_dose_effect_only_where_grpo_had_one():
+    rows = dosed("grpo", falls_from(0.1)) + dosed("grpo_r3", falls_from(9.0))
+    claim = claims.r3_removes_dose_effect(rows)
+    assert claim.number == 27 and claim.verdict == "PASS" and "without replay" in claim.evidence
+    both_fall = dosed("grpo", falls_from(0.1)) + dosed("grpo_r3", falls_from(0.3))
+    assert verdict(claims.r3_removes_dose_effect, both_fall) == "FAIL"
+    no_effect = dosed("grpo", falls_from(9.0)) + dosed("grpo_r3", falls_from(9.0))
+    claim = claims.r3_removes_dose_effect(no_effect)
+    assert claim.verdict == "NOT TESTED" and "no effect to remove" in claim.evidence

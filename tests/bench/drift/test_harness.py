@@ -239,7 +239,7 @@ def test_a_job_array_runs_one_run_per_task_then_reports(tmp_path, capsys):
         ({"stop_at_collapse": "yes"}, r"stop_at_collapse: expected true or false, got 'yes'"),
         (
             {"claims": [22, 99]},
-            r"claims: expected a list of claim numbers 1 \.\. 24, got \[22, 99\]",
+            r"claims: expected a list of claim numbers 1 \.\. 27, got \[22, 99\]",
         ),
     ],
 )
@@ -353,6 +353,17 @@ def test_the_collapse_point_grid_plans_twelve_paired_seeds_there_and_stops_at_co
     # the claims it reads do not identify the grid; stopping at a collapse does
     assert "claims" not in grid.identity() and grid.identity()["stop_at_collapse"] is True
     assert "stop_at_collapse" not in load_grid(str(RECIPE), None).identity()
+
+
+def test_the_dose_response_grid_flips_each_dose_both_ways_beside_dose_zero():
+    grid = load_grid(str(RECIPE), str(RECIPE.parent / "route_flips_drift.yaml"))
+    assert len(grid.runs) == 4 * 9 * 3 and grid.claims == (25, 26, 27)
+    doses = {(r.recipe.rollout.flip_routes, r.recipe.rollout.flip_routes_at) for r in grid.runs}
+    assert doses == {(0.0, "margin")} | {
+        (d, at) for d in (0.01, 0.03, 0.1, 0.3) for at in ("margin", "random")
+    }
+    assert {r.recipe.rollout.engine_dtype for r in grid.runs} == {"float32"}
+    assert all(r.recipe.metrics.routing_probe for r in grid.runs)
 
 
 def test_cluster_example_grid_and_recipe_are_valid():

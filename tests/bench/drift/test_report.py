@@ -490,3 +490,45 @@ def test_survival_at_the_collapse_point_is_tabled_and_drawn_once_a_run_collapsed
     assert plots._plot_survival in plots.PLOTS
     text = report.format_report(hit, check_claims(hit), [])
     assert "## Survival at the collapse point" in text
+
+
+def _dosed_rows() -> list[dict]:
+    """GRPO and GSPO at doses 0, 0.01, 0.1 and 0.3 of margin-chosen and random flips, 3 seeds,
+    float32 engine: GRPO's k3 rises tenfold per tenfold dose, from 1e-5 at 0.01."""
+    rows = []
+    for arm, loss in (("grpo", "grpo"), ("gspo", "gspo")):
+        for dose, at in [(0.0, "margin")] + [
+            (d, a) for d in (0.01, 0.1, 0.3) for a in ("margin", "random")
+        ]:
+            for seed in (1, 2, 3):
+                rows.append(
+                    {
+                        "run_id": f"{arm}--{dose}-{at}--seed{seed}",
+                        "arm": arm,
+                        "cell": f"{dose}-{at}",
+                        "seed": seed,
+                        "state": "done",
+                        "model": "fine_qwen3_e128",
+                        "engine_dtype": "float32",
+                        "loss": loss,
+                        "routing_replay": "none",
+                        "mismatch": "none",
+                        "flip_routes": dose,
+                        "flip_routes_at": at,
+                        "final_accuracy": 0.7 - dose + 0.01 * seed,
+                        "mismatch_k3": 1e-3 * dose if dose else 1e-13,
+                    }
+                )
+    return rows
+
+
+def test_the_dose_response_is_drawn_and_calibrated_against_engine_precision(tmp_path):
+    rows = _dosed_rows()
+    check_png(plots._plot_doses(rows, {}, tmp_path), tmp_path, "dose_response.png")
+    assert plots._plot_doses in plots.PLOTS
+    text = report.dose_calibration(rows)
+    # k3 = 1e-3 x dose: 1.1e-4 at dose 0.11, 5.6e-4 at 0.56, past the largest dose measured
+    assert "bfloat16 (1.1e-04): about 0.11" in text
+    assert "float8_emulated (5.6e-04): outside the doses measured" in text
+    assert report.dose_calibration([r for r in rows if r["flip_routes"] == 0]) == ""
+    assert plots._plot_doses([r for r in rows if r["flip_routes"] == 0], {}, tmp_path) is None
