@@ -193,6 +193,18 @@ def test_a_run_without_its_final_checkpoint_logs_the_same_numbers(tmp_path):
         }
 
 
+def test_routes_the_engine_flips_show_as_routing_mismatch_with_the_trainer(tmp_path):
+    # the float32 engine routes exactly as the trainer: the flips are the whole mismatch
+    overrides = ["metrics.routing_probe=true", "rollout.flip_routes=0.3", "run.steps=1"]
+    result = train_cli(tmp_path, overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    step = read_metrics(tmp_path)[1]
+    # 30% of the tokens have one of their 2 experts swapped in each of the 4 layers, at every
+    # router call (later layers also see the flips' effect)
+    assert 0.1 < step["routing/engine_mismatch_token_layer"] < 0.9
+    assert step["routing/engine_mismatch_activated_experts"] > 0.05
+
+
 @pytest.mark.parametrize(
     "layout",
     # the loss under TP (tp2, tp2_etp1): tests/parallel/test_invariance.py
