@@ -188,6 +188,11 @@ def test_every_shipped_recipe_loads_and_validates():
             ],
             r"rollout\.partial_rollouts: algo\.routing_replay=r3 replays the routing",
         ),
+        (
+            ["algo.routing_replay=r3_weights", "rollout.backend=sglang"],
+            r"algo\.routing_replay=r3_weights replays the engine's gate weights, which only the "
+            r"in-process engine returns",
+        ),
     ],
 )
 def test_trainer_sections_are_validated(overrides, message):

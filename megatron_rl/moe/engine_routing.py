@@ -13,12 +13,15 @@ routing) or the MoE layers only (the in-process engine records transformers' rou
 
 Positions the engine never routed (padding, each sample's last token) get experts 0..topk-1:
 under causal attention they cannot change the routing or the log-probs of the sample's earlier
-tokens. `covered` says which positions carry engine routing (for drift metrics).
+tokens. `covered` says which positions carry engine routing (for drift metrics). The engine's
+gate weights (gate-weight replay) are placed the same way, NaN where it routed nothing (the
+trainer's own weights stay there).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,33 +52,94 @@ def place_engine_routing(
     batch, seq = batch_shape
     routing = torch.arange(topk).expand(batch, seq, num_layers, topk).clone()
     covered = torch.zeros(batch, seq, dtype=torch.bool)
+    placed = _placed(samples, rows, starts, lengths, batch_shape, (num_layers, topk), ROUTING)
+    for record, (row, columns) in zip(samples, placed, strict=True):
+        routing[row, columns] = record.long()
+        covered[row, columns] = True
+    return routing, covered
+
+
+def place_engine_gate_weights(
+    samples: Sequence[Tensor],
+    rows: Sequence[int],
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    batch_shape: tuple[int, int],
+    *,
+    num_layers: int,
+    topk: int,
+) -> Tensor:
+    """Put each sample's engine gate weights (`[length - 1, num_layers, topk]` float, beside its
+    routing) at its tokens' place, as `place_engine_routing` does with the experts: `[b, S,
+    num_layers, topk]` float32, NaN where the engine routed nothing."""
+    batch, seq = batch_shape
+    weights = torch.full((batch, seq, num_layers, topk), float("nan"))
+    shape = (num_layers, topk)
+    placed = _placed(samples, rows, starts, lengths, batch_shape, shape, GATE_WEIGHTS)
+    for record, (row, columns) in zip(samples, placed, strict=True):
+        weights[row, columns] = record.float()
+    return weights
+
+
+class _Record(NamedTuple):
+    """What an engine record per token holds, for placing it and for its errors."""
+
+    name: str  # as errors name it
+    integer: bool  # integer ids, else floating values
+    source: str  # which engines return it
+
+
+ROUTING = _Record(
+    "routing",
+    integer=True,
+    source="R3 needs the engine to return routed experts "
+    "(SGLang: --enable-return-routed-experts, return_routed_experts)",
+)
+GATE_WEIGHTS = _Record(
+    "gate weights",
+    integer=False,
+    source="algo.routing_replay=r3_weights needs the engine to return them "
+    "(the in-process engine does; SGLang returns expert ids only)",
+)
+
+
+def _placed(
+    samples: Sequence[Tensor | None],
+    rows: Sequence[int],
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    batch_shape: tuple[int, int],
+    per_token: tuple[int, int],
+    record_kind: _Record,
+) -> list[tuple[int, slice]]:
+    """Per sample, the micro-batch row and columns its engine record covers (its tokens but the
+    last), after checking the record's type and shape `[length - 1, *per_token]` and that it
+    fits."""
+    batch, seq = batch_shape
+    what = record_kind.name
     if not len(samples) == len(rows) == len(starts) == len(lengths):
-        raise ValueError(
-            f"routing: {len(samples)} engine routing record(s) for {len(rows)} placed samples"
-        )
+        raise ValueError(f"{what}: {len(samples)} engine record(s) for {len(rows)} placed samples")
+    placed = []
     for index, (record, row, start, length) in enumerate(
         zip(samples, rows, starts, lengths, strict=True)
     ):
-        expected = (length - 1, num_layers, topk)
+        expected = (length - 1, *per_token)
         if record is None:
+            raise ValueError(f"{what}: sample {index} has no engine {what}; {record_kind.source}")
+        if record.is_floating_point() == record_kind.integer or tuple(record.shape) != expected:
+            kind = "integer" if record_kind.integer else "floating"
             raise ValueError(
-                f"routing: sample {index} has no engine routing; R3 needs the engine to return "
-                "routed experts (SGLang: --enable-return-routed-experts, return_routed_experts)"
-            )
-        if record.is_floating_point() or tuple(record.shape) != expected:
-            raise ValueError(
-                f"routing: sample {index} has engine routing {list(record.shape)} {record.dtype}; "
-                f"its {length} tokens and the model need integer [{length - 1}, {num_layers}, "
-                f"{topk}] ([tokens - 1, layers, topk])"
+                f"{what}: sample {index} has engine {what} {list(record.shape)} {record.dtype}; "
+                f"its {length} tokens and the model need {kind} [{length - 1}, "
+                f"{per_token[0]}, {per_token[1]}] ([tokens - 1, layers, topk])"
             )
         if start < 0 or start + length > seq or not 0 <= row < batch:
             raise ValueError(
-                f"routing: sample {index} at row {row}, columns {start}..{start + length} does "
+                f"{what}: sample {index} at row {row}, columns {start}..{start + length} does "
                 f"not fit the micro-batch {list(batch_shape)}"
             )
-        routing[row, start : start + length - 1] = record.long()
-        covered[row, start : start + length - 1] = True
-    return routing, covered
+        placed.append((row, slice(start, start + length - 1)))
+    return placed
 
 
 def engine_layer_columns(

@@ -20,6 +20,14 @@ Activation recomputation re-runs each layer's forward during backward. megatron-
 those from a first-in, first-out list (REPLAY_BACKWARD); a gradient hook on each micro-batch's
 output switches this model's routers to it when that micro-batch's backward begins, and the next
 forward switches back. After a step, `finish()` checks that every recorded entry was consumed.
+
+Gate-weight replay (`algo.routing_replay=r3_weights`) forces the engine's gate weights too: a
+forward hook on each router puts them in the router's output in place of the weights it
+recomputed, straight through: the forward multiplies the experts' outputs by the engine's
+weights, and the backward takes the gradient of the trainer's own, so the router learns exactly
+where it does under id-only replay. Positions the engine never routed (NaN weights: padding, each
+sample's last token) keep the trainer's own. The weights follow the expert ids' first-in,
+first-out order under recomputation.
 """
 
 from __future__ import annotations
@@ -68,6 +76,12 @@ class RoutingReplay:
         self.topk = routers[0].topk
         self.recompute = model.config.recompute_granularity == "full"
         self._replays: list[RouterReplay] = [router.router_replay for router in routers]
+        # per router: the gate weights of the next forward and, in order, those of the
+        # recomputed forwards to come (None: replay ids only), as megatron-core keeps the ids
+        self._gate_weights: list[_GateTargets | None] = [None] * len(routers)
+        self._gate_backward: list[list[_GateTargets | None]] = [[] for _ in routers]
+        for layer, router in enumerate(routers):
+            router.register_forward_hook(self._force_gate_weights(layer))
         owned = {id(replay) for replay in self._replays}
         RouterReplay.global_router_replay_instances[:] = [
             r for r in RouterReplay.global_router_replay_instances if id(r) not in owned
@@ -94,8 +108,12 @@ class RoutingReplay:
             replay.clear_indices()
         return [indices.detach() for indices in recorded]
 
-    def replay(self, routing: list[Tensor], num_tokens: int) -> None:
-        """Force `routing` (per layer `[num_tokens, topk]`) in the next forward."""
+    def replay(
+        self, routing: list[Tensor], num_tokens: int, gate_weights: list[Tensor] | None = None
+    ) -> None:
+        """Force `routing` (per layer `[num_tokens, topk]`) in the next forward, and with
+        `gate_weights` (per layer `[num_tokens, topk]` float, aligned with `routing`; NaN where
+        the router's own weight stays) the gate weights too."""
         if len(routing) != self.num_layers:
             raise ValueError(
                 f"routing: {len(routing)} layer(s) given, this rank's model has "
@@ -108,10 +126,13 @@ class RoutingReplay:
                     f"micro-batch needs integer indices [{num_tokens}, {self.topk}] "
                     "([tokens, topk])"
                 )
-        for replay, indices in zip(self._replays, routing, strict=True):
+        targets = _gate_targets(routing, gate_weights, num_tokens, self.topk)
+        for layer, (replay, indices) in enumerate(zip(self._replays, routing, strict=True)):
             replay.target_topk_idx = None
             replay.set_target_indices(indices.long())
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            self._gate_weights[layer] = targets[layer]
+            self._gate_backward[layer].append(targets[layer])
         self._loaded += 1
 
     def replay_backward_from(self, output: Tensor) -> None:
@@ -129,6 +150,8 @@ class RoutingReplay:
         for replay in self._replays:
             replay.clear_indices()
             replay.clear_router_replay_action()
+        self._gate_weights = [None] * len(self._replays)
+        self._gate_backward = [[] for _ in self._replays]
         loaded, self._loaded = self._loaded, 0
         if self.recompute and unconsumed:
             raise RuntimeError(
@@ -136,6 +159,27 @@ class RoutingReplay:
                 "backward recompute; forwards and backwards did not pair up"
             )
         return loaded
+
+    def _force_gate_weights(self, layer: int) -> Callable:
+        """The forward hook of router `layer`: its output with the replayed gate weights, when
+        the forward replays some (the ids' action says which forward this is)."""
+        replay = self._replays[layer]
+
+        def hook(router: TopKRouter, inputs: tuple, output: tuple[Tensor, Tensor]) -> tuple | None:
+            action = replay.router_replay_action
+            if action is RouterReplayAction.REPLAY_FORWARD:
+                targets = self._gate_weights[layer]
+            elif action is RouterReplayAction.REPLAY_BACKWARD:
+                queue = self._gate_backward[layer]
+                targets = queue.pop(0) if queue else None
+            else:
+                return None
+            if targets is None:
+                return None
+            probs, routing_map = output
+            return straight_through_gate_weights(probs, *targets), routing_map
+
+        return hook
 
     def observe_routing(self) -> Callable[[], ObservedRouting]:
         """Watch each router's next forward: what it would choose without replay (megatron-core's
@@ -181,6 +225,46 @@ class RoutingReplay:
             )
 
         return stop
+
+
+class _GateTargets(NamedTuple):
+    experts: Tensor  # [tokens, topk] the replayed expert ids
+    weights: Tensor  # [tokens, topk] their gate weights; NaN: the router's own
+
+
+def _gate_targets(
+    routing: list[Tensor], gate_weights: list[Tensor] | None, num_tokens: int, topk: int
+) -> list[_GateTargets | None]:
+    """Per layer, the gate weights to force with its ids, or None for each (ids only)."""
+    if gate_weights is None:
+        return [None] * len(routing)
+    if len(gate_weights) != len(routing):
+        raise ValueError(
+            f"gate weights: {len(gate_weights)} layer(s) given for {len(routing)} routed layer(s)"
+        )
+    for layer, weights in enumerate(gate_weights):
+        if not weights.is_floating_point() or tuple(weights.shape) != (num_tokens, topk):
+            raise ValueError(
+                f"gate weights: layer {layer} has {list(weights.shape)} {weights.dtype}; the "
+                f"micro-batch needs floating [{num_tokens}, {topk}] ([tokens, topk])"
+            )
+    return [
+        _GateTargets(indices.long(), weights)
+        for indices, weights in zip(routing, gate_weights, strict=True)
+    ]
+
+
+def straight_through_gate_weights(probs: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+    """`probs` `[tokens, experts]` (a router's gate weights, zero off its top-k) with `weights`
+    `[tokens, topk]` at the columns `experts` `[tokens, topk]` in the forward (NaN keeps the
+    router's own), and the gradient of `probs` itself in the backward."""
+    experts = experts.to(probs.device)
+    own = probs.detach()
+    placed = own.gather(1, experts)
+    target = torch.where(
+        weights.isnan(), placed, weights.to(device=probs.device, dtype=probs.dtype)
+    )
+    return (probs - own) + own.scatter(1, experts, target)
 
 
 def _decision_margins(router: TopKRouter, logits: Tensor) -> Tensor:

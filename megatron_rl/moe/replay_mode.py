@@ -9,11 +9,13 @@ from enum import StrEnum
 class RoutingReplayMode(StrEnum):
     """none: routers choose freely in every forward; r2: the updates replay the routing the old
     policy's forward recorded; r3: the old-policy forward and the updates replay the routing the
-    rollout engine used."""
+    rollout engine used (its experts; the gate weights are the trainer's); r3_weights: as r3,
+    with the engine's gate weights too (the in-process engine returns them; SGLang does not)."""
 
     NONE = "none"
     R2 = "r2"
     R3 = "r3"
+    R3_WEIGHTS = "r3_weights"
 
     @property
     def replays(self) -> bool:
@@ -23,7 +25,13 @@ class RoutingReplayMode(StrEnum):
     @property
     def uses_engine_routing(self) -> bool:
         """The engine returns each token's experts, and the trainer replays them (R3)."""
-        return self is RoutingReplayMode.R3
+        return self in (RoutingReplayMode.R3, RoutingReplayMode.R3_WEIGHTS)
+
+    @property
+    def replays_gate_weights(self) -> bool:
+        """The engine returns each token's gate weights beside its experts, and the trainer
+        forces them in the forward (straight through: the router's gradient is its own)."""
+        return self is RoutingReplayMode.R3_WEIGHTS
 
     @property
     def records_old_routing(self) -> bool:

@@ -52,6 +52,9 @@ class Sample:
         finish_reason: "stop" (a stop token was generated) or "length" (max_new_tokens reached).
         routed_experts: `[len(prompt_ids) + len(response_ids) - 1, layers, topk]` int32 in
             SGLang's layout (see megatron_rl.moe.engine_routing), or None when not asked for.
+        routed_weights: like `routed_experts`, float32, the gate weight the engine gave each of
+            those experts; the in-process engine returns them with the experts, SGLang does not
+            (its `return_routed_experts` gives expert ids only): None.
         weight_version: the engine's weight version (`RolloutEngine.weight_version`) that
             generated its first token.
         token_versions: per response token, the weight version that generated it, when the
@@ -64,6 +67,7 @@ class Sample:
     logprobs: Tensor
     finish_reason: FinishReason
     routed_experts: Tensor | None = None
+    routed_weights: Tensor | None = None
     weight_version: int = -1
     token_versions: tuple[int, ...] | None = None
 

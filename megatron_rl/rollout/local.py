@@ -362,11 +362,13 @@ class LocalEngine:
         decoding = _Decoding.start(tokens, attention, params.max_new_tokens)
         stop_ids = torch.tensor(params.stop_token_ids or (-1,))
         routing: list[Tensor] = []  # per router call, in call order: [tokens, topk]
+        gate_weights: list[Tensor] = []  # the same calls' gate weights
         hooks = []
         if self._flip is not None:  # first: the record below keeps the flipped routing
             hooks = [r.register_forward_hook(self._flip) for r in self._routers]
         if return_routed_experts:
-            hooks += [r.register_forward_hook(self._record_into(routing)) for r in self._routers]
+            record = self._record_into(routing, gate_weights)
+            hooks += [r.register_forward_hook(record) for r in self._routers]
         capacity = tokens.shape[1] + params.max_new_tokens
         cache, cache_version = preallocated_cache(self.model.config, capacity), self._version
         try:
@@ -408,16 +410,20 @@ class LocalEngine:
             decoding.stepped,
             decoding.lengths,
             decoding.stopped,
-            routing,
+            _per_sample(routing, decoding.stepped, prompts, decoding.lengths, len(self._routers)),
+            _per_sample(
+                gate_weights, decoding.stepped, prompts, decoding.lengths, len(self._routers)
+            ),
         )
 
     @staticmethod
-    def _record_into(routing: list[Tensor]) -> Callable[..., None]:
-        """A forward hook that keeps a router's chosen experts `[tokens, topk]` (the routers of
-        transformers' MoE blocks return (logits, weights, experts))."""
+    def _record_into(routing: list[Tensor], weights: list[Tensor]) -> Callable[..., None]:
+        """A forward hook that keeps a router's chosen experts `[tokens, topk]` and their gate
+        weights (the routers of transformers' MoE blocks return (logits, weights, experts))."""
 
         def hook(module: torch.nn.Module, inputs: tuple, output: tuple) -> None:
             routing.append(output[-1].to(torch.int32))
+            weights.append(output[1].detach().float())
 
         return hook
 
@@ -444,38 +450,50 @@ class LocalEngine:
         stepped: list[Tensor],
         lengths: Tensor,
         stopped: Tensor,
-        routing: list[Tensor],
+        routing: list[Tensor] | None,
+        gate_weights: list[Tensor] | None,
     ) -> list[Sample]:
         """The rows' samples from `[batch, steps]` tokens and log-probs, per step the weights'
-        version and the rows that took part, and the router calls' records."""
-        layers, batch = len(self._routers), len(prompts)
-        # Call 0 is the prefill over [batch * width] tokens; call k >= 1 feeds generated token
-        # k - 1 of the rows stepped[k]. Each router call's output is [tokens, topk]; decode
-        # calls are spread back over the whole batch here.
-        calls = [torch.stack(routing[c : c + layers], 1) for c in range(0, len(routing), layers)]
-        for k in range(1, len(calls)):
-            whole = torch.full((batch, *calls[k].shape[1:]), -1, dtype=calls[k].dtype)
-            whole[stepped[k]] = calls[k]
-            calls[k] = whole
-        width = max(len(p) for p in prompts)
+        version and the rows that took part, and per row its routing records (`_per_sample`)."""
         samples = []
         for row, prompt in enumerate(prompts):
             length = int(lengths[row])
             token_versions = tuple(versions[:length])
-            routed = None
-            if calls:
-                prefill = calls[0].view(len(prompts), width, layers, -1)[row, width - len(prompt) :]
-                decoded = [calls[k][row][None] for k in range(1, length)]
-                routed = torch.cat([prefill, *decoded], 0)
             samples.append(
                 Sample(
                     prompt_ids=prompt,
                     response_ids=tuple(tokens[row, :length].tolist()),
                     logprobs=token_logprobs[row, :length].clone(),
                     finish_reason="stop" if bool(stopped[row]) else "length",
-                    routed_experts=routed,
+                    routed_experts=None if routing is None else routing[row],
+                    routed_weights=None if gate_weights is None else gate_weights[row],
                     weight_version=token_versions[0],
                     token_versions=token_versions if len(set(token_versions)) > 1 else None,
                 )
             )
         return samples
+
+
+def _per_sample(
+    calls: list[Tensor],
+    stepped: list[Tensor],
+    prompts: list[tuple[int, ...]],
+    lengths: Tensor,
+    layers: int,
+) -> list[Tensor] | None:
+    """Per row, `[prompt + length - 1, layers, topk]` from the router calls' records (each
+    `[tokens, topk]`, `layers` per forward, in call order): its prompt's tokens in the prefill
+    and the tokens it fed back in the decode steps it took part in (`stepped`). None when no
+    call was recorded."""
+    if not calls:
+        return None
+    # Forward 0 is the prefill over [batch * width] left-padded tokens; forward k >= 1 feeds
+    # generated token k - 1 of the rows stepped[k] only.
+    forwards = [torch.stack(calls[c : c + layers], 1) for c in range(0, len(calls), layers)]
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    prefill = forwards[0].view(batch, width, layers, -1)
+    rows = []
+    for row, prompt in enumerate(prompts):
+        steps = [forwards[k][(stepped[k] == row).nonzero()[0]] for k in range(1, int(lengths[row]))]
+        rows.append(torch.cat([prefill[row, width - len(prompt) :], *steps], 0))
+    return rows

@@ -25,6 +25,7 @@ from torch import Tensor
 from megatron_rl.algo import subsentence_segment_ids
 from megatron_rl.moe.engine_routing import (
     engine_layer_columns,
+    place_engine_gate_weights,
     place_engine_routing,
     router_order,
 )
@@ -123,6 +124,7 @@ class EngineRouting:
     topk: int
     sp_rank: int = 0
     sp_size: int = 1
+    gate_weights: bool = False  # the engine's gate weights too (gate-weight replay)
 
 
 def minibatch_rows(rows: Sequence[int], num_minibatches: int, seed: int) -> list[list[int]]:
@@ -276,9 +278,7 @@ def _packed_micro_batch(
         row_ids=torch.tensor(real + [-1] * bool(tail)),
         padding_mask=padding,
         cu_seqlens=offsets,
-        routing=None
-        if engine_routing is None
-        else _replay_targets(
+        **_replay_targets(
             batch,
             [
                 (0, start, row)
@@ -317,9 +317,7 @@ def _micro_batch(
         segment_ids=torch.where(empty[:, None], -1, rows_of(batch.segment_ids, -1)),
         row_ids=torch.tensor(chunk),
         padding_mask=rows_of(padding, True) | empty[:, None],
-        routing=None
-        if engine_routing is None
-        else _replay_targets(
+        **_replay_targets(
             batch,
             [(i, 0, row) for i, row in enumerate(chunk) if row >= 0],
             tuple(tokens.shape),
@@ -332,32 +330,43 @@ def _replay_targets(
     batch: RolloutBatch,
     placed: list[tuple[int, int, int]],
     shape: tuple[int, int],
-    engine_routing: EngineRouting,
-) -> list[Tensor]:
+    engine_routing: EngineRouting | None,
+) -> dict[str, list[Tensor] | None]:
     """The engine's routing (R3) of the rollout rows `placed` as (micro-batch row, first
-    column, rollout row) in a micro-batch of `shape`, per MoE layer of this rank's stage; a
-    filler micro-batch (no row) gets experts 0..topk-1 everywhere, as any unrouted position."""
+    column, rollout row) in a micro-batch of `shape`, per MoE layer of this rank's stage, as the
+    micro-batch's `routing` and, when `engine_routing` asks, `gate_weights`; none without
+    `engine_routing`. A filler micro-batch (no row) gets experts 0..topk-1 everywhere, as any
+    unrouted position, and the trainer's own gate weights (NaN)."""
+    if engine_routing is None:
+        return {}
+    order = {"sp_rank": engine_routing.sp_rank, "sp_size": engine_routing.sp_size}
+    layers, topk = len(engine_routing.stage_layers), engine_routing.topk
     if not placed:
-        layers, topk = len(engine_routing.stage_layers), engine_routing.topk
         filler = torch.arange(topk).expand(*shape, layers, topk)
-        return router_order(filler, sp_rank=engine_routing.sp_rank, sp_size=engine_routing.sp_size)
+        unweighted = torch.full((*shape, layers, topk), float("nan"))
+        return {
+            "routing": router_order(filler, **order),
+            "gate_weights": router_order(unweighted, **order)
+            if engine_routing.gate_weights
+            else None,
+        }
     samples = [batch.samples[row] for _, _, row in placed]
     records = [sample.routed_experts for sample in samples]
     # the first record's width says which layers the engine records (all agree, or are refused)
     width = next((r.shape[1] for r in records if r is not None and r.dim() == 3), 0)
     columns = engine_layer_columns(width, engine_routing.num_layers, engine_routing.moe_layers)
-    routing, _ = place_engine_routing(
-        records,
-        rows=[row for row, _, _ in placed],
-        starts=[start for _, start, _ in placed],
-        lengths=[len(s.prompt_ids) + len(s.response_ids) for s in samples],
-        batch_shape=shape,
-        num_layers=width,
-        topk=engine_routing.topk,
-    )
-    return router_order(
-        routing,
-        sp_rank=engine_routing.sp_rank,
-        sp_size=engine_routing.sp_size,
-        layers=[columns[layer] for layer in engine_routing.stage_layers],
-    )
+    where = {
+        "rows": [row for row, _, _ in placed],
+        "starts": [start for _, start, _ in placed],
+        "lengths": [len(s.prompt_ids) + len(s.response_ids) for s in samples],
+        "batch_shape": shape,
+        "num_layers": width,
+        "topk": topk,
+    }
+    stage = [columns[layer] for layer in engine_routing.stage_layers]
+    routing, _ = place_engine_routing(records, **where)
+    gate_weights = None
+    if engine_routing.gate_weights:
+        weights = place_engine_gate_weights([s.routed_weights for s in samples], **where)
+        gate_weights = router_order(weights, **order, layers=stage)
+    return {"routing": router_order(routing, **order, layers=stage), "gate_weights": gate_weights}

@@ -136,7 +136,8 @@ def _minibatches(
     """This rank's micro-batches of each minibatch of `batch`'s training rows (rows whose
     responses were all filtered carry nothing and join none), `with_engine_routing`: carrying
     the engine's routing (R3 replays it; the old-policy forward's record replaces it else)."""
-    engine_routing = _engine_routing(policy) if with_engine_routing else None
+    gate_weights = algo.routing_replay.replays_gate_weights
+    engine_routing = _engine_routing(policy, gate_weights) if with_engine_routing else None
     # sequence parallelism splits each micro-batch's width over the TP ranks
     sequence_parallel = policy.model.config.sequence_parallel
     return [
@@ -326,7 +327,7 @@ def _engine_routing_mismatch(first: UpdateResult) -> dict[str, float]:
     }
 
 
-def _engine_routing(policy: Policy) -> EngineRouting:
+def _engine_routing(policy: Policy, gate_weights: bool) -> EngineRouting:
     config = policy.config
     sequence_parallel = policy.model.config.sequence_parallel
     return EngineRouting(
@@ -336,4 +337,5 @@ def _engine_routing(policy: Policy) -> EngineRouting:
         topk=config.router_topk,
         sp_rank=parallel_state.get_tensor_model_parallel_rank() if sequence_parallel else 0,
         sp_size=parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel else 1,
+        gate_weights=gate_weights,
     )

@@ -43,6 +43,8 @@ class PolicyMicroBatch:
         cu_seqlens: `[N + 1]` offsets of the packed sequences, or None when padded.
         routing: per MoE layer of this rank's stage, the `[tokens, topk]` experts to replay
             (R2: recorded by the old-policy pass; R3: from the rollout engine).
+        gate_weights: like `routing` (float), the engine's gate weight of each of those experts
+            (gate-weight replay; NaN where the trainer's own weight stays), or None.
         padding_mask: like tokens, bool, true at padding: the positions after a sequence's end
             and every position of a filler row; None when there is none. The routers leave
             padding out of their load balancing (`router_padding`).
@@ -60,6 +62,7 @@ class PolicyMicroBatch:
     old_entropy: Tensor | None = None
     cu_seqlens: Tensor | None = None
     routing: list[Tensor] | None = None
+    gate_weights: list[Tensor] | None = None
     engine_logp: Tensor | None = None
     ref_logp: Tensor | None = None
     row_ids: Tensor | None = None

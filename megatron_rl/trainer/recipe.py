@@ -417,6 +417,12 @@ class Recipe:
                 "recorded, and a generation continued under new weights routes its prefix "
                 "again; use r2 (recorded by the trainer) or rollout.partial_rollouts=false"
             )
+        if self.algo.routing_replay.replays_gate_weights and self.rollout.backend != "local":
+            raise ConfigError(
+                "algo.routing_replay=r3_weights replays the engine's gate weights, which only "
+                f"the in-process engine returns (rollout.backend=local); {self.rollout.backend}'s "
+                "return_routed_experts gives expert ids only: use r3"
+            )
         if self.rollout.max_staleness > self.run.steps:
             raise ConfigError(
                 f"rollout.max_staleness: expected at most run.steps = {self.run.steps} (no step "

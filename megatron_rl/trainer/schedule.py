@@ -132,7 +132,8 @@ def _forward_step(
                 "(R2: record it in the old-policy forward; R3: the engine must return it)"
             )
         else:
-            replay.replay(micro_batch.routing, _router_tokens(micro_batch, model))
+            tokens = _router_tokens(micro_batch, model)
+            replay.replay(micro_batch.routing, tokens, micro_batch.gate_weights)
     output = model(
         micro_batch.tokens,
         micro_batch.position_ids(),

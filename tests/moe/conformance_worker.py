@@ -31,7 +31,7 @@ CUTS = {"rows": (None, False), "token_budget": (24, False), "packed": (24, True)
 
 def _rollouts(vocab_size: int, record_layers: int, topk: int, num_experts: int) -> RolloutBatch:
     """Seeded samples of LENGTHS (the same on every rank) with engine routing records of
-    distinct random experts, `[tokens - 1, record_layers, topk]`."""
+    distinct random experts, `[tokens - 1, record_layers, topk]`, and random gate weights."""
     gen = torch.Generator().manual_seed(11)
     samples = []
     for prompt, response in LENGTHS:
@@ -45,6 +45,7 @@ def _rollouts(vocab_size: int, record_layers: int, topk: int, num_experts: int) 
                 logprobs=-torch.rand(response, generator=gen) - 1.0,
                 finish_reason="stop",
                 routed_experts=scores.topk(topk, dim=-1).indices.to(torch.int32),
+                routed_weights=torch.rand(total - 1, record_layers, topk, generator=gen) + 0.1,
             )
         )
     rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
@@ -53,20 +54,44 @@ def _rollouts(vocab_size: int, record_layers: int, topk: int, num_experts: int) 
     )
 
 
-def _used_experts(replay: RoutingReplay) -> tuple[list[list[torch.Tensor]], list]:
+def _used_experts(
+    replay: RoutingReplay,
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list]:
     """Hooks that keep, per router of this rank, the experts each of its forwards used
-    (`[tokens, topk]`, ascending), in forward order; and the hooks' handles."""
+    (`[tokens, topk]`, ascending) and the gate weights it passed on (`[tokens, experts]`), in
+    forward order; and the hooks' handles."""
     used: list[list[torch.Tensor]] = [[] for _ in replay.routers]
+    weights: list[list[torch.Tensor]] = [[] for _ in replay.routers]
 
     def keep(layer: int):
         def hook(router: TopKRouter, inputs: tuple, output: tuple) -> None:
             routing_map = output[1].detach()
             used[layer].append(routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1))
+            weights[layer].append(output[0].detach())
 
         return hook
 
     handles = [router.register_forward_hook(keep(i)) for i, router in enumerate(replay.routers)]
-    return used, handles
+    return used, weights, handles
+
+
+def _weight_mismatch(
+    experts: list[list[torch.Tensor]],
+    targets: list[list[torch.Tensor]],
+    passed_on: list[list[torch.Tensor]],
+) -> tuple[float, int]:
+    """The largest gap between the gate weights each forward passed on at the target experts
+    and the target weights, where the engine gave some (not NaN), over every micro-batch and
+    MoE layer of this rank; and how many weights were compared."""
+    worst, compared = 0.0, 0
+    for layer_experts, layer_targets, layer_passed in zip(experts, targets, passed_on, strict=True):
+        for chosen, target, passed in zip(layer_experts, layer_targets, layer_passed, strict=True):
+            given = ~target.isnan()
+            if given.any():
+                gap = (passed.gather(1, chosen) - target.to(passed.dtype))[given].abs().max()
+                worst = max(worst, float(gap))
+                compared += int(given.sum())
+    return worst, compared
 
 
 def _mismatch(targets: list[list[torch.Tensor]], used: list[list[torch.Tensor]]) -> float:
@@ -88,9 +113,9 @@ def _case(
     batch: RolloutBatch,
     recompute: bool,
 ) -> dict[str, float]:
-    """One case: the model's routing recorded on the micro-batches (R2) or the engine's (R3)
-    replayed in an update after the routers moved (`recompute`: with full activation
-    recomputation, whose forwards in the backward must replay it too)."""
+    """One case: the model's routing recorded on the micro-batches (R2) or the engine's (R3; with
+    its gate weights: r3_weights) replayed in an update after the routers moved (`recompute`:
+    with full activation recomputation, whose forwards in the backward must replay it too)."""
     torch.manual_seed(0)
     config = MODELS[model_name]
     model = _build(model_name, dims, routing_replay=True, recompute=recompute)
@@ -99,7 +124,7 @@ def _case(
     sequence_parallel = model.config.sequence_parallel
     tp = parallel_state.get_tensor_model_parallel_world_size()
     engine = None
-    if source == "r3":
+    if source in ("r3", "r3_weights"):
         engine = EngineRouting(
             num_layers=config.num_layers,
             moe_layers=tuple(range(config.first_dense_layers, config.num_layers)),
@@ -107,6 +132,7 @@ def _case(
             topk=config.router_topk,
             sp_rank=parallel_state.get_tensor_model_parallel_rank() if sequence_parallel else 0,
             sp_size=tp if sequence_parallel else 1,
+            gate_weights=source == "r3_weights",
         )
     share = engine_old_share(
         batch,
@@ -126,11 +152,11 @@ def _case(
     # without a pipeline each micro-batch's backward follows its forward: with recomputation,
     # a second forward of it
     forwards = [[t for t in layer for _ in range(1 + recompute)] for layer in targets]
-    free_used, handles = _used_experts(replay)
-    old_policy_pass(ddp, [replace(m, routing=None) for m in share])
+    free_used, _, handles = _used_experts(replay)
+    old_policy_pass(ddp, [replace(m, routing=None, gate_weights=None) for m in share])
     for handle in handles:
         handle.remove()
-    used, handles = _used_experts(replay)
+    used, passed_on, handles = _used_experts(replay)
     ddp.zero_grad_buffer()
     policy_forward_backward(ddp, share, GRPO, replay=replay)
     for handle in handles:
@@ -140,8 +166,17 @@ def _case(
         for n, p in ddp.module.named_parameters()
         if n.endswith("router.weight")
     ]
+    weight_mismatch, weights_compared = None, 0
+    if source == "r3_weights":
+        weights = [
+            [w for micro in share for w in [micro.gate_weights[layer]] * (1 + recompute)]
+            for layer in range(replay.num_layers)
+        ]
+        weight_mismatch, weights_compared = _weight_mismatch(forwards, weights, passed_on)
     return {
         "replay_mismatch": _mismatch(forwards, used),
+        "weight_mismatch": weight_mismatch,
+        "weights_compared": weights_compared,
         "free_mismatch": _mismatch(targets, free_used),
         "smallest_router_grad": min(router_grads),
         "shapes": len({tuple(m.tokens.shape) for m in share}),
@@ -152,7 +187,7 @@ def _case(
 def conformance(
     launch: LaunchEnv, layout: dict[str, int], recompute: bool = False
 ) -> dict[str, dict[str, float]]:
-    """Every case (model x cut x R2/R3) at `layout`, keyed `model/cut/source`."""
+    """Every case (model x cut x R2/R3/r3_weights) at `layout`, keyed `model/cut/source`."""
     if recompute and layout.get("pp", 1) > 1:
         raise ValueError("recompute: the cases expect each backward right after its forward")
     dims = ParallelDims(world_size=launch.world_size, **layout)
@@ -162,7 +197,7 @@ def conformance(
         moe_layers = config.num_layers - config.first_dense_layers
         batch = _rollouts(config.vocab_size, moe_layers, config.router_topk, config.num_experts)
         for cut in CUTS:
-            for source in ("r2", "r3"):
+            for source in ("r2", "r3", "r3_weights"):
                 results[f"{model_name}/{cut}/{source}"] = _case(
                     dims, model_name, cut, source, batch, recompute
                 )

@@ -261,3 +261,113 @@ def bad_input_messages(launch: LaunchEnv) -> dict:
     ddp = wrap_for_training(model, distributed_optimizer=False)
     message("no_routing", lambda: policy_forward_backward(ddp, [batch], GRPO, replay=replay))
     return messages
+
+
+def _captured_gate_weights(replay: RoutingReplay) -> tuple[list[list[torch.Tensor]], list]:
+    """Hooks after replay's own that keep, per router, the gate weights `[tokens, experts]`
+    (zero off the top-k) each of its forwards passed on, in forward order; and the handles."""
+    seen: list[list[torch.Tensor]] = [[] for _ in replay.routers]
+
+    def keep(layer: int):
+        def hook(router: TopKRouter, inputs: tuple, output: tuple) -> None:
+            seen[layer].append(output[0].detach().clone())
+
+        return hook
+
+    return seen, [router.register_forward_hook(keep(i)) for i, router in enumerate(replay.routers)]
+
+
+def _update_with(
+    ddp: torch.nn.Module,
+    replay: RoutingReplay,
+    batches: list[PolicyMicroBatch],
+    weights: list[list[torch.Tensor] | None],
+) -> tuple[float, dict[str, torch.Tensor], list[list[torch.Tensor]]]:
+    """One update of `batches` with gate `weights` per micro-batch: its loss, the gradients and
+    per router the gate weights each forward passed on."""
+    ddp.zero_grad_buffer()
+    seen, handles = _captured_gate_weights(replay)
+    given = [replace(b, gate_weights=w) for b, w in zip(batches, weights, strict=True)]
+    step = policy_forward_backward(ddp, given, GRPO, replay=replay)
+    for handle in handles:
+        handle.remove()
+    grads = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}
+    return float(step.loss), grads, seen
+
+
+def _worst_grad_error(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    return max(
+        float((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-30))
+        for n, g in reference.items()
+    )
+
+
+def _gate_weight_cases(
+    dims: ParallelDims, model_name: str, recompute: bool
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """`gate_weight_replay` at one setting of recomputation: its report and the gradients of
+    the update with other weights."""
+    torch.manual_seed(0)
+    model = _build(model_name, dims, routing_replay=True, recompute=recompute)
+    ddp = wrap_for_training(model, distributed_optimizer=False)
+    replay = RoutingReplay(model)
+    batches = _record(ddp, replay, micro_batches(count=2))
+    _perturb_routers(model)
+    ids_loss, ids_grads, ids_seen = _update_with(ddp, replay, batches, [None, None])
+    # each micro-batch's own weights at the replayed experts (a forward, then its recompute)
+    forwards = 1 + recompute
+    own = [
+        [
+            seen[forwards * i].gather(1, experts)
+            for seen, experts in zip(ids_seen, b.routing, strict=True)
+        ]
+        for i, b in enumerate(batches)
+    ]
+    own_loss, own_grads, _ = _update_with(ddp, replay, batches, own)
+    unset = [[torch.full_like(w, float("nan")) for w in o] for o in own]
+    nan_loss, nan_grads, _ = _update_with(ddp, replay, batches, unset)
+    gen = torch.Generator().manual_seed(5)
+    other = [[torch.rand(w.shape, generator=gen) + 0.1 for w in o] for o in own]
+    for weights in other:  # the first MoE layer keeps its own weights on its first 5 tokens
+        weights[0][:5] = float("nan")
+    other_loss, other_grads, other_seen = _update_with(ddp, replay, batches, other)
+    used_error = 0.0
+    for i, b in enumerate(batches):
+        for layer, experts in enumerate(b.routing):
+            target = other[i][layer]
+            # the first MoE layer's input is the same as without gate weights: its kept
+            # tokens must show its own weights; later layers' own weights moved
+            expected = torch.where(target.isnan(), own[i][layer], target)
+            checked = torch.ones_like(target, dtype=torch.bool) if layer == 0 else ~target.isnan()
+            for seen in other_seen[layer][forwards * i : forwards * (i + 1)]:
+                error = (seen.gather(1, experts) - expected)[checked].abs().max()
+                used_error = max(used_error, float(error))
+    report = {
+        "own_loss_error": abs(own_loss - ids_loss),
+        "own_worst_grad_error": _worst_grad_error(own_grads, ids_grads),
+        "nan_loss_error": abs(nan_loss - ids_loss),
+        "nan_worst_grad_error": _worst_grad_error(nan_grads, ids_grads),
+        "other_loss_change": abs(other_loss - ids_loss),
+        "other_used_error": used_error,
+        "other_forwards": len(other_seen[0]),
+        "other_smallest_router_grad": min(
+            float(g.abs().max()) for n, g in other_grads.items() if n.endswith("router.weight")
+        ),
+    }
+    return report, other_grads
+
+
+def gate_weight_replay(launch: LaunchEnv, model_name: str) -> dict:
+    """Gate-weight replay after the routers moved, with and without activation recomputation:
+    the trainer's own weights (or NaN: keep them) give id-only replay's loss and gradients; other
+    weights reach every forward (the recomputed ones too) and the router still learns."""
+    dims = ParallelDims(world_size=1)
+    init_distributed(dims, launch)
+    report: dict = {}
+    other_grads = {}
+    for recompute in (False, True):
+        report[f"recompute={recompute}"], other_grads[recompute] = _gate_weight_cases(
+            dims, model_name, recompute
+        )
+    report["recompute_grad_error"] = _worst_grad_error(other_grads[True], other_grads[False])
+    return report

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.moe.engine_routing import place_engine_routing, router_order, router_token_mask
+from megatron_rl.moe.engine_routing import (
+    place_engine_gate_weights,
+    place_engine_routing,
+    router_order,
+    router_token_mask,
+)
 
 LAYERS, TOPK = 3, 2
 
@@ -48,6 +53,24 @@ def test_padded_rows(padding):
             else:
                 assert not covered[row, position]
                 assert routing[row, position, 0].tolist() == list(range(TOPK))
+
+
+def test_gate_weights_land_beside_their_experts():
+    """The engine's gate weights go where its experts go; NaN where it routed nothing."""
+    lengths, starts, seq = [5, 3], [3, 0], 8
+    samples = [_payload(i, n) for i, n in enumerate(lengths)]
+    where = ([0, 1], starts, lengths, (2, seq))
+    routing, covered = place_engine_routing(samples, *where, num_layers=LAYERS, topk=TOPK)
+    weights = place_engine_gate_weights(
+        [s.double() / 1e5 for s in samples], *where, num_layers=LAYERS, topk=TOPK
+    )
+    assert weights.dtype == torch.float32
+    assert torch.equal(weights.isnan().all(-1).all(-1), ~covered)
+    torch.testing.assert_close(weights[covered], routing[covered].float() / 1e5)
+    with pytest.raises(ValueError, match=r"no engine gate weights; .*r3_weights needs the engine"):
+        place_engine_gate_weights([None, None], *where, num_layers=LAYERS, topk=TOPK)
+    with pytest.raises(ValueError, match=r"need floating \[4, 3, 2\]"):
+        place_engine_gate_weights(samples, *where, num_layers=LAYERS, topk=TOPK)
 
 
 def test_packed_row_and_router_order_with_sp_and_pp():

@@ -77,3 +77,20 @@ def test_bad_input_is_refused_clearly():
     assert "torch.float32" in messages["dtype"]
     assert "no routing was recorded" in messages["collect_without_record"]
     assert "carries no routing record" in messages["no_routing"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", MODELS)
+def test_gate_weight_replay_forces_the_weights_and_keeps_the_gradient(model):
+    (report,) = run_on_ranks(replay_worker.gate_weight_replay, model, world_size=1)
+    for recompute in (False, True):
+        case = report[f"recompute={recompute}"]
+        # the trainer's own weights, or NaN (keep them): id-only replay's numbers, exactly
+        assert case["own_loss_error"] == 0 and case["own_worst_grad_error"] == 0
+        assert case["nan_loss_error"] == 0 and case["nan_worst_grad_error"] == 0
+        # other weights: every forward (recomputed ones too) used them, and they mattered
+        assert case["other_used_error"] <= 1e-6
+        assert case["other_forwards"] == 2 * (1 + recompute)
+        assert case["other_loss_change"] > 1e-4
+        assert case["other_smallest_router_grad"] > 0  # every router still learns
+    assert report["recompute_grad_error"] <= 1e-5

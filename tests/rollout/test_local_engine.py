@@ -73,31 +73,43 @@ def test_greedy_and_stop_tokens(engine):
     assert sample.response_ids[-1] == stop and stop not in sample.response_ids[:-1]
 
 
-def test_routed_experts_in_sglang_layout(engine):
+def test_routed_experts_and_weights_in_sglang_layout(engine):
     # Stop tokens end rows at different steps: a row that ends leaves the batch, and the rows
-    # that go on keep their own routing, tokens and log-probs.
+    # that go on keep their own routing, gate weights, tokens and log-probs.
     first = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8), n=3, seed=1)
     stops = tuple({group[1].response_ids[2] for group in first})
     params = SamplingParams(max_new_tokens=8, stop_token_ids=stops)
     groups = engine.generate(PROMPTS, params, n=3, seed=1, return_routed_experts=True)
     samples = [sample for group in groups for sample in group]
     assert len({len(sample.response_ids) for sample in samples}) > 2
-    recorded = []
-    hooks = [
-        r.register_forward_hook(lambda m, i, o: recorded.append(o[-1])) for r in engine._routers
-    ]
+    recorded, weights = [], []
+
+    def record(module, inputs, output):
+        recorded.append(output[-1])
+        weights.append(output[1])
+
+    hooks = [r.register_forward_hook(record) for r in engine._routers]
     try:
         for sample in samples:
             torch.testing.assert_close(
                 sample.logprobs, _full_forward_logprobs(engine, sample), atol=1e-5, rtol=0
             )
             recorded.clear()
+            weights.clear()
             with torch.no_grad():
                 engine.model(torch.tensor(sample.prompt_ids + sample.response_ids)[None])
             full = torch.stack(recorded, 1)  # [tokens, layers, topk]
             assert sample.routed_experts.dtype == torch.int32
             # One row per token that went through the model: all but the last.
             torch.testing.assert_close(sample.routed_experts, full[:-1].to(torch.int32))
+            assert sample.routed_weights.dtype == torch.float32
+            # the gate weights of the same experts, in the same order (normalised over the top-k)
+            torch.testing.assert_close(
+                sample.routed_weights, torch.stack(weights, 1)[:-1], atol=1e-5, rtol=0
+            )
+            torch.testing.assert_close(
+                sample.routed_weights.sum(-1), torch.ones(sample.routed_weights.shape[:2])
+            )
     finally:
         for hook in hooks:
             hook.remove()
@@ -132,6 +144,7 @@ def test_routing_records_cover_the_moe_layers_only(tmp_path):
     params = SamplingParams(max_new_tokens=4)
     (group,) = engine.generate(PROMPTS[:1], params, return_routed_experts=True)
     assert tuple(group[0].routed_experts.shape) == (len(PROMPTS[0]) + 4 - 1, 3, 4)
+    assert group[0].routed_weights.shape == group[0].routed_experts.shape
 
 
 def test_weight_update_errors(tmp_path):

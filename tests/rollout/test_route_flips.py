@@ -79,6 +79,10 @@ def test_the_engine_samples_with_flipped_routes_and_scores_without(hf_dir):
             b = set(other.routed_experts[token, 0].tolist())
             assert len(a ^ b) in (0, 2)  # at most one expert swapped
             swapped += a != b
+            # the recorded gate weights are the flipped routing's (renormalised over it)
+            weights = mine.routed_weights[token, 0]
+            assert torch.equal(weights, other.routed_weights[token, 0]) == (a == b)
+            torch.testing.assert_close(weights.sum(), torch.tensor(1.0))
     assert swapped == round(0.3 * 12)
     assert any(
         not torch.equal(mine.logprobs, other.logprobs)
