@@ -61,6 +61,7 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     "grpo": {"algo.loss": "grpo", "algo.routing_replay": "none"},
     "grpo_r2": {"algo.loss": "grpo", "algo.routing_replay": "r2"},
     "grpo_r3": {"algo.loss": "grpo", "algo.routing_replay": "r3"},
+    "grpo_r3_weights": {"algo.loss": "grpo", "algo.routing_replay": "r3_weights"},
     "gspo": {"algo.loss": "gspo", "algo.routing_replay": "none"},
     "gspo_r2": {"algo.loss": "gspo", "algo.routing_replay": "r2"},
     "gspo_engine_logp": {

@@ -558,6 +558,49 @@ def _plot_doses(rows: list[Row], curves: dict[str, list[Row]], out: Path) -> Plo
     return _save(fig, out, "dose_response.png", "Dose-response: flipped routes")
 
 
+def _plot_gate_weights(rows: list[Row], curves: dict[str, list[Row]], out: Path) -> Plot | None:
+    """The residual engine-vs-trainer k3 of GRPO by replay mode (none, R3, R3 with the engine's
+    gate weights) at each engine precision: means over seeds with 95% t intervals."""
+    grpo = [r for r in rows if r["loss"] == "grpo" and r["mismatch"] == "none"]
+    if not any(r["routing_replay"] == "r3_weights" for r in grpo):
+        return None
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    modes = ("none", "r3", "r3_weights")
+    precisions = [d for d in ENGINE_DTYPES if any(engine_of(r) == d for r in grpo)]
+    for offset, mode in enumerate(modes):
+        means, halves = [], []
+        for precision in precisions:
+            k3 = [
+                r["mismatch_k3"]
+                for r in grpo
+                if r["routing_replay"] == mode
+                and engine_of(r) == precision
+                and r.get("mismatch_k3") is not None
+            ]
+            mean, half = _mean_and_half_width(k3)
+            means.append(mean)
+            halves.append(half)
+        positions = [i + (offset - 1) * 0.27 for i in range(len(precisions))]
+        ax.bar(positions, means, width=0.27, yerr=halves, label=f"GRPO, replay {mode}")
+    ax.set_xticks(range(len(precisions)), precisions)
+    ax.set_yscale("log")
+    ax.set(ylabel="engine-vs-trainer k3", xlabel="engine precision")
+    ax.legend(fontsize=7)
+    return _save(fig, out, "gate_weight_k3.png", "Residual k3 by replay mode and precision")
+
+
+def _mean_and_half_width(values: list[float]) -> tuple[float, float]:
+    """The mean of `values` (nan when empty) and the half width of its 95% t interval (0 under
+    two values)."""
+    if not values:
+        return math.nan, 0.0
+    if len(values) < 2:
+        return values[0], 0.0
+    t = student_t_quantile(0.975, len(values) - 1)
+    return statistics.fmean(values), t * statistics.stdev(values) / math.sqrt(len(values))
+
+
 def _dose_curve(runs: list[Row], column: str) -> tuple[list[float], list[float], list[float]]:
     """The doses of `runs` that measured `column`, its mean over each dose's runs and the half
     width of that mean's 95% t interval (0 under two runs)."""
@@ -566,11 +609,10 @@ def _dose_curve(runs: list[Row], column: str) -> tuple[list[float], list[float],
         values = [r[column] for r in runs if dose_of(r) == dose and r.get(column) is not None]
         if not values:
             continue
+        mean, half = _mean_and_half_width(values)
         doses.append(dose)
-        means.append(statistics.fmean(values))
-        spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        t = student_t_quantile(0.975, len(values) - 1) if len(values) > 1 else 0.0
-        halves.append(t * spread / math.sqrt(len(values)))
+        means.append(mean)
+        halves.append(half)
     return doses, means, halves
 
 
@@ -587,4 +629,5 @@ PLOTS: tuple[Callable[[list[Row], dict[str, list[Row]], Path], Plot | None], ...
     _plot_tails,
     _plot_survival,
     _plot_doses,
+    _plot_gate_weights,
 )

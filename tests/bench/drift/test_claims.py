@@ -15,6 +15,7 @@ ARMS = {
     "grpo": ("grpo", "none", "none", False),
     "grpo_r2": ("grpo", "r2", "none", False),
     "grpo_r3": ("grpo", "r3", "none", False),
+    "grpo_r3_weights": ("grpo", "r3_weights", "none", False),
     "gspo": ("gspo", "none", "none", False),
     "gspo_engine_logp": ("gspo", "none", "bypass", False),
     "grpo_frozen_router": ("grpo", "none", "none", True),
@@ -341,6 +342,37 @@ def test_r3_cuts_the_engine_mismatch_with_a_low_precision_engine():
     # lower with R3 in two seeds, higher in the third
     mixed = by_seed(rows, "mismatch_k3", {1: 1e-4, 2: 1e-4, 3: 4e-3}, arm="grpo_r3")
     assert verdict(claims.r3_cuts_engine_mismatch, mixed) == "INCONCLUSIVE"
+
+
+def test_gate_weights_cut_k3_below_id_only_r3_at_both_low_precisions():
+    rows = [
+        r
+        for precision, cell in (("bfloat16", "bf16"), ("float8_emulated", "fp8"))
+        for r in arms("grpo", "grpo_r3", "grpo_r3_weights", cell=cell, engine_dtype=precision)
+    ]
+    rows = change(change(rows, "grpo_r3", mismatch_k3=5e-4), "grpo_r3_weights", mismatch_k3=1e-4)
+    claim = claims.gate_weights_cut_k3(rows)
+    assert claim.number == 28 and claim.verdict == "PASS"
+    assert "bfloat16: log10(k3 R3 / R3 + gate weights) +0.699" in claim.evidence
+    assert "1e-04 without replay" in claim.evidence or "0.0001 without replay" in claim.evidence
+    # no lower with the weights at float8
+    fp8_same = [
+        r | {"mismatch_k3": 5e-4}
+        if r["arm"] == "grpo_r3_weights" and r["engine_dtype"] == "float8_emulated"
+        else r
+        for r in rows
+    ]
+    assert verdict(claims.gate_weights_cut_k3, fp8_same) == "FAIL"
+    # lower in two seeds of three at bfloat16, higher in the third
+    mixed = [
+        r | {"mismatch_k3": 4e-3}
+        if r["arm"] == "grpo_r3_weights" and r["engine_dtype"] == "bfloat16" and r["seed"] == 3
+        else r
+        for r in rows
+    ]
+    assert verdict(claims.gate_weights_cut_k3, mixed) == "INCONCLUSIVE"
+    bf16_only = [r for r in rows if r["engine_dtype"] == "bfloat16"]
+    assert verdict(claims.gate_weights_cut_k3, bf16_only) == "NOT TESTED"
 
 
 def test_frozen_router_needs_stability_and_shorter_steps():
@@ -757,8 +789,8 @@ def test_a_grid_checks_the_claims_it_names():
     rows = collapse_point("gspo", set()) + collapse_point("grpo_r2", {1, 2})
     checked = claims.check_claims(rows, (15, 22, 23, 24))
     assert [c.number for c in checked] == [15, 22, 23, 24]
-    with pytest.raises(ValueError, match="claims: 28 is not a claim's number"):
-        claims.check_claims(rows, (22, 28))
+    with pytest.raises(ValueError, match="claims: 29 is not a claim's number \\(1 \\.\\. 28\\)"):
+        claims.check_claims(rows, (22, 29))
 
 
 DOSES = (0.03, 0.1, 0.3)

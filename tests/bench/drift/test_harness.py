@@ -239,7 +239,7 @@ def test_a_job_array_runs_one_run_per_task_then_reports(tmp_path, capsys):
         ({"stop_at_collapse": "yes"}, r"stop_at_collapse: expected true or false, got 'yes'"),
         (
             {"claims": [22, 99]},
-            r"claims: expected a list of claim numbers 1 \.\. 27, got \[22, 99\]",
+            r"claims: expected a list of claim numbers 1 \.\. 28, got \[22, 99\]",
         ),
     ],
 )
@@ -364,6 +364,18 @@ def test_the_dose_response_grid_flips_each_dose_both_ways_beside_dose_zero():
     }
     assert {r.recipe.rollout.engine_dtype for r in grid.runs} == {"float32"}
     assert all(r.recipe.metrics.routing_probe for r in grid.runs)
+
+
+def test_the_gate_weight_grid_runs_each_replay_mode_at_each_engine_precision():
+    grid = load_grid(str(RECIPE), str(RECIPE.parent / "gate_weight_replay_drift.yaml"))
+    assert len(grid.runs) == 3 * 3 * 4 and grid.claims == (28,)
+    modes = {(r.recipe.algo.routing_replay.value, r.recipe.rollout.engine_dtype) for r in grid.runs}
+    assert modes == {
+        (mode, dtype)
+        for mode in ("none", "r3", "r3_weights")
+        for dtype in ("float32", "bfloat16", "float8_emulated")
+    }
+    assert {r.recipe.algo.loss for r in grid.runs} == {"grpo"}
 
 
 def test_cluster_example_grid_and_recipe_are_valid():

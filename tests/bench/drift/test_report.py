@@ -532,3 +532,25 @@ def test_the_dose_response_is_drawn_and_calibrated_against_engine_precision(tmp_
     assert "float8_emulated (5.6e-04): outside the doses measured" in text
     assert report.dose_calibration([r for r in rows if r["flip_routes"] == 0]) == ""
     assert plots._plot_doses([r for r in rows if r["flip_routes"] == 0], {}, tmp_path) is None
+
+
+def test_the_residual_k3_by_replay_mode_and_precision_is_drawn(tmp_path):
+    rows = [
+        {
+            "arm": f"grpo_{mode}",
+            "loss": "grpo",
+            "mismatch": "none",
+            "routing_replay": mode,
+            "engine_dtype": precision,
+            "seed": seed,
+            "mismatch_k3": scale * 10.0 ** -["none", "r3", "r3_weights"].index(mode) * seed,
+        }
+        for mode in ("none", "r3", "r3_weights")
+        for precision, scale in (("float32", 1e-9), ("bfloat16", 1e-4), ("float8_emulated", 5e-4))
+        for seed in (1, 2, 3)
+    ]
+    check_png(plots._plot_gate_weights(rows, {}, tmp_path), tmp_path, "gate_weight_k3.png")
+    assert plots._plot_gate_weights in plots.PLOTS
+    # without gate-weight replay runs there is nothing to draw
+    plain = [r for r in rows if r["routing_replay"] != "r3_weights"]
+    assert plots._plot_gate_weights(plain, {}, tmp_path) is None

@@ -4,10 +4,10 @@ NOT TESTED, with the numbers and the drift regime behind each verdict.
 Each claim is a pure function of the rows (summary.py; the ones of finished runs), so that it is
 tested on synthetic rows in both directions. Its rule sits beside it, in the module of what it is
 about: routing.py (the routing's drift), training.py (clipping, stability, collapses), engine.py
-(the rollout engine and replay's cost), survival.py (the collapse point), dose.py (routes the
-engine flips on purpose); the thresholds, models and arms they share are in common.py. `CLAIMS`
-lists them in the report's order, which is their number; a grid checks the ones it names (its
-`claims`; the default grid's are `DRIFT_CLAIMS`).
+(the rollout engine, replay's cost and gate-weight replay), survival.py (the collapse point),
+dose.py (routes the engine flips on purpose); the thresholds, models and arms they share are in
+common.py. `CLAIMS` lists them in the report's order, which is their number; a grid checks the
+ones it names (its `claims`; the default grid's are `DRIFT_CLAIMS`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from megatron_rl.bench.drift.claims.engine import (
     engine_logprobs_suffice,
     engine_precision_orders_mismatch,
     float8_reaches_moe_mismatch,
+    gate_weights_cut_k3,
     r3_cuts_engine_mismatch,
     replay_is_cheap,
 )
@@ -79,6 +80,7 @@ CLAIMS = (
     stability_falls_with_dose,
     margin_flips_hurt_more,
     r3_removes_dose_effect,
+    gate_weights_cut_k3,
 )
 # the literature's claims on routing drift, which the default grid checks
 DRIFT_CLAIMS = tuple(range(1, 22))

@@ -101,6 +101,7 @@ def arm_is(
 GRPO = arm_is("grpo", "none")
 GRPO_R2 = arm_is("grpo", "r2")
 GRPO_R3 = arm_is("grpo", "r3")
+GRPO_R3_WEIGHTS = arm_is("grpo", "r3_weights")
 GRPO_FROZEN = arm_is("grpo", "none", frozen=True)
 GRPO_TIS = arm_is("grpo", "none", mismatch="tis")
 GRPO_MIS = arm_is("grpo", "none", mismatch="mis")

@@ -1,16 +1,27 @@
 """Claims about the rollout engine and the cost of replay: its log-probs in place of the
-old-policy forward, its precision and the mismatch it causes, and replay's time (claims 8, 9, 12,
-18, 19)."""
+old-policy forward, its precision and the mismatch it causes, replay's time, and what replaying
+the engine's gate weights adds to replaying its experts (claims 8, 9, 12, 18, 19, 28).
+
+Claim 28 was fixed before the gate-weight grid ran (examples/moe/gate_weight_replay_drift.yaml,
+issue 52): at each low-precision engine (bfloat16, float8_emulated) the paired per-seed
+log10(k3 of GRPO + R3 / k3 of GRPO + R3 with gate weights) must lie above 0 (its 95% interval):
+PASS when it does at both precisions, FAIL when at either the interval lies at or below 0,
+INCONCLUSIVE otherwise; NOT TESTED without both arms at both precisions. A log ratio, because k3
+spans orders of magnitude across precisions and seeds; 10 to its estimate is the factor by which
+the weights cut k3."""
 
 from __future__ import annotations
 
 import itertools
+import math
+from collections.abc import Callable
 
 from megatron_rl.bench.drift.claims.common import (
     ENGINE_DTYPES,
     GRPO,
     GRPO_R2,
     GRPO_R3,
+    GRPO_R3_WEIGHTS,
     GSPO,
     GSPO_ENGINE,
     LOW_PRECISION,
@@ -33,7 +44,7 @@ from megatron_rl.bench.drift.claims.common import (
     values_of,
 )
 from megatron_rl.bench.drift.stability import NOT_TESTED, all_hold, compare
-from megatron_rl.bench.drift.uncertainty import FAIL, PASS, effect
+from megatron_rl.bench.drift.uncertainty import FAIL, INCONCLUSIVE, PASS, effect
 
 
 def engine_logprobs_suffice(rows: list[Row]) -> Claim:
@@ -201,3 +212,48 @@ def float8_reaches_moe_mismatch(rows: list[Row]) -> Claim:
         )
     evidence = f"{k3} ({len(fp8)} runs; smallest {min(values_of(fp8, 'mismatch_k3')):.3g})"
     return Claim(19, statement, k3.at_least(), evidence, regime_of(fp8))
+
+
+def gate_weights_cut_k3(rows: list[Row]) -> Claim:
+    statement = (
+        "Replaying the engine's gate weights with its experts lowers the train-vs-engine k3 "
+        "below id-only R3's, with a bfloat16 and with a float8 engine."
+    )
+    verdicts, evidence = [], []
+    for precision in LOW_PRECISION:
+        eligible = [r for r in rows if engine_of(r) == precision]
+        cells = cells_with(eligible, GRPO_R3, GRPO_R3_WEIGHTS)
+        ids, weights = pooled(cells, 0), pooled(cells, 1)
+        cut = effect(
+            f"{precision}: log10(k3 R3 / R3 + gate weights)",
+            paired(ids, weights, _log_ratio("mismatch_k3")),
+            0.0,
+        )
+        if cut is None:
+            return Claim(
+                28,
+                statement,
+                NOT_TESTED,
+                f"needs GRPO + R3 with and without gate weights at {precision}, with "
+                "mismatch_k3, of 2 paired seeds or more",
+                regime_of(rows),
+            )
+        verdicts.append(cut.above())
+        free = [r for r in eligible if GRPO(r)]
+        none = f", {mean_of(free, 'mismatch_k3'):.3g} without replay" if free else ""
+        evidence.append(
+            f"{cut}: mean k3 {mean_of(ids, 'mismatch_k3'):.3g} with R3, "
+            f"{mean_of(weights, 'mismatch_k3'):.3g} with its gate weights{none}"
+        )
+    verdict = FAIL if FAIL in verdicts else PASS if set(verdicts) == {PASS} else INCONCLUSIVE
+    return Claim(28, statement, verdict, "; ".join(evidence), regime_of(rows))
+
+
+def _log_ratio(column_name: str) -> Callable[[Row, Row], float | None]:
+    """log10(a[column] / b[column]) of a pair of runs, None unless both measured a positive one."""
+
+    def of(a: Row, b: Row) -> float | None:
+        x, y = a.get(column_name), b.get(column_name)
+        return math.log10(x / y) if x and y and x > 0 and y > 0 else None
+
+    return of
