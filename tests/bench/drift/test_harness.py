@@ -378,6 +378,18 @@ def test_the_gate_weight_grid_runs_each_replay_mode_at_each_engine_precision():
     assert {r.recipe.algo.loss for r in grid.runs} == {"grpo"}
 
 
+def test_the_quick_subset_covers_every_claim_of_the_decisive_experiments():
+    grid = load_grid(str(RECIPE), str(RECIPE.parent / "decisive_quick_drift.yaml"))
+    assert len(grid.runs) == 42 and grid.claims == (15, *range(22, 29))
+    at_collapse_point = [r for r in grid.runs if r.recipe.algo.updates_per_batch == 8]
+    assert {r.arm for r in at_collapse_point} == {"grpo", "grpo_r2", "grpo_r3", "gspo", "gspo_r2"}
+    assert {r.recipe.rollout.engine_dtype for r in at_collapse_point} == {"bfloat16"}
+    doses = {(r.recipe.rollout.flip_routes, r.recipe.rollout.flip_routes_at) for r in grid.runs}
+    assert doses == {(0.0, "margin"), (0.3, "margin"), (0.3, "random")}
+    weights = {r.recipe.rollout.engine_dtype for r in grid.runs if r.arm == "grpo_r3_weights"}
+    assert weights == {"bfloat16", "float8_emulated"}
+
+
 def test_cluster_example_grid_and_recipe_are_valid():
     from megatron_rl.config import load_config
     from megatron_rl.trainer.recipe import Recipe
