@@ -158,17 +158,26 @@ def r2_matches_forced_routing(launch: LaunchEnv, model_name: str) -> dict:
     }
 
 
+def _recorded_then_moved(
+    dims: ParallelDims, model_name: str, recompute: bool, count: int
+) -> tuple[torch.nn.Module, RoutingReplay, list[PolicyMicroBatch]]:
+    """The model `model_name` (seeded, with replay, `recompute`: full activation recompute), its
+    routing recorded on `count` micro-batches, then its routers moved."""
+    torch.manual_seed(0)
+    model = _build(model_name, dims, routing_replay=True, recompute=recompute)
+    ddp = wrap_for_training(model, distributed_optimizer=False)
+    replay = RoutingReplay(model)
+    batches = _record(ddp, replay, micro_batches(count=count))
+    _perturb_routers(model)
+    return ddp, replay, batches
+
+
 def recompute_gives_same_gradients(launch: LaunchEnv, model_name: str) -> dict:
     dims = ParallelDims(world_size=1)
     init_distributed(dims, launch)
     grads = {}
     for recompute in (False, True):
-        torch.manual_seed(0)
-        model = _build(model_name, dims, routing_replay=True, recompute=recompute)
-        ddp = wrap_for_training(model, distributed_optimizer=False)
-        replay = RoutingReplay(model)
-        batches = _record(ddp, replay, micro_batches(count=3))
-        _perturb_routers(model)
+        ddp, replay, batches = _recorded_then_moved(dims, model_name, recompute, count=3)
         policy_forward_backward(ddp, batches, GRPO, replay=replay)
         grads[recompute] = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}
     errors = [
@@ -307,12 +316,7 @@ def _gate_weight_cases(
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """`gate_weight_replay` at one setting of recomputation: its report and the gradients of
     the update with other weights."""
-    torch.manual_seed(0)
-    model = _build(model_name, dims, routing_replay=True, recompute=recompute)
-    ddp = wrap_for_training(model, distributed_optimizer=False)
-    replay = RoutingReplay(model)
-    batches = _record(ddp, replay, micro_batches(count=2))
-    _perturb_routers(model)
+    ddp, replay, batches = _recorded_then_moved(dims, model_name, recompute, count=2)
     ids_loss, ids_grads, ids_seen = _update_with(ddp, replay, batches, [None, None])
     # each micro-batch's own weights at the replayed experts (a forward, then its recompute)
     forwards = 1 + recompute
