@@ -257,6 +257,9 @@ def test_engine_logprobs_claim_needs_stability_and_a_saving():
     rows = arms("gspo", "gspo_engine_logp")
     claim = claims.engine_logprobs_suffice(rows)
     assert claim.verdict == "PASS" and "time saved, s per step +0.2 " in claim.evidence
+    # the trainer logs no old-policy time for a run that skips that forward: 0 s, not unmeasured
+    unlogged = change(rows, "gspo_engine_logp", old_logprob_s=None)
+    assert claims.engine_logprobs_suffice(unlogged).evidence == claim.evidence
     no_saving = [r | {"old_logprob_s": 0.2} for r in rows]
     assert verdict(claims.engine_logprobs_suffice, no_saving) == "FAIL"
     unstable = change(rows, "gspo_engine_logp", collapse_events=1)
