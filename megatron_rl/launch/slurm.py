@@ -457,6 +457,28 @@ for ((spent = 0; spent < ${SLURM_RESTART_COUNT:-0} * @STEPS_PER_START@; spent++)
   srun --nodes=1 --ntasks=1 --nodelist="${nodes[0]}" --output=/dev/null true
 done
 
+# SLURM may take a node out of a running job without declaring it down: a node that died and came
+# back can get the stop SLURM queued for the job's earlier start after this start began (seen on
+# the test cluster, 2026-12-07), which ends this start's task there and releases the node. No
+# verdict follows and the job cannot go on without the node: it requeues itself.
+requeued_for_a_node_taken_out() {
+  local job held members node
+  job=$(scontrol show job --oneliner "$SLURM_JOB_ID") || return 1
+  # a job SLURM has requeued already is no longer RUNNING (and this script is being stopped)
+  if [[ $job != *" JobState=RUNNING "* ]]; then return 1; fi
+  held=$(grep -o ' NodeList=[^ ]*' <<<"$job" | cut -d= -f2) || true
+  members=$(scontrol show hostnames "$held" 2>/dev/null) || true
+  for node in "${trainer_nodes[@]}"; do
+    if ! grep -qx "$node" <<<"$members"; then
+      echo "megatron-rl: SLURM took trainer node $node out of job $SLURM_JOB_ID (it holds" \\
+        "${held:-none}); requeueing it" >&2
+      scontrol requeue "$SLURM_JOB_ID"
+      return 0
+    fi
+  done
+  return 1
+}
+
 # A trainer node that dies (power, kernel, network) fails the step on every node. SLURM requeues
 # the job once it declares that node down (SlurmdTimeout after its last answer; 300 s by default),
 # but only while this script still runs, and srun gives up on the dead node's task about a minute
@@ -470,6 +492,7 @@ await_requeue_if_a_node_died() {
     --ntasks-per-node=1 --nodelist="$trainer_list" --output=/dev/null true; then
     return
   fi
+  if requeued_for_a_node_taken_out; then return; fi
   local silent_s
   silent_s=$(scontrol show config | awk '$1 == "SlurmdTimeout" {print $3}')
   if ! [ "${silent_s:-0}" -gt 0 ] 2>/dev/null; then
