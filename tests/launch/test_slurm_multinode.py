@@ -345,7 +345,7 @@ def _restarts_after_a_return(logs: str, job_id: str, node: str, restarts: int) -
     """`restarts`, or one more where SLURM took `node`, back after its death, out of the job's
     next start (the stop it had queued for the start the node died in arrived just after the
     next began; seen in CI, 2026-12-07): the batch script then requeued the job itself (the
-    test below has that on purpose)."""
+    test at the end has that on purpose)."""
     return restarts + (f"SLURM took trainer node {node} out of job {job_id}" in logs)
 
 
@@ -426,36 +426,6 @@ def test_a_two_node_job_stopped_three_ways_resumes_each_time_as_one_node(tmp_pat
     assert (run_dir / "export" / "config.json").is_file()
 
 
-# SLURM took a node out of a running job in CI (2026-12-07): the second node, back after its death,
-# got the stop SLURM had queued for the job's earlier start a moment after the next start began
-# there. `scontrol update NumNodes=1` takes it out the same way, at a step of the test's choosing.
-@pytest.mark.extended
-def test_a_trainer_node_slurm_takes_out_of_the_job_has_the_job_requeue_itself(tmp_path):
-    """SLURM releases the second trainer node from the running job (its task there ended, the
-    node no longer the job's, and no node declared down): the first node's rank fails, the
-    batch script's job step on every trainer node is refused at once, the script finds the node
-    missing from the job and requeues the job itself, without waiting for a verdict that would
-    never come; the job starts again on both nodes, resumes and completes."""
-    cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
-    try:
-        run_dir = tmp_path / "two-nodes"
-        job_id = _submit_two_node_job(cluster, run_dir, ["run.steps=4", "checkpoint.save_every=1"])
-        _wait_for_step(cluster, job_id, run_dir, 1)
-        cluster.run("scontrol", "update", f"JobId={job_id}", "NumNodes=1")
-        fields = cluster.wait_for_job(job_id, _ended, timeout_s=300, what="finished")
-        logs = _job_logs(run_dir)
-    finally:
-        cluster.stop()
-    first, second = cluster.network.hostnames[:2]
-    assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
-    assert fields["Restarts"] == "1", fields
-    assert f"SLURM took trainer node {second} out of job {job_id} (it holds {first})" in logs
-    assert "a trainer node does not answer" not in logs, logs[-3000:]
-    assert f"start 1: training on {first},{second}" in logs, logs[-3000:]
-    assert max(read_metrics(run_dir)) == 4  # each step logged once (read_metrics checks)
-    assert not list(run_dir.glob("checkpoints/.*partial"))
-
-
 # five minutes: a node's death, SLURM's detection of it, its return, a whole run again; the default
 # suite has a node die in a shorter run (the test above), without the batch script's wait for
 # SLURM's verdict certain to be needed, nor a stale signal certain to come while the job runs
@@ -499,3 +469,33 @@ def test_a_dead_trainer_node_requeues_the_job_which_resumes_when_the_node_is_bac
     assert f"start 1: training on {','.join(cluster.network.hostnames[:2])}" in logs
     assert not list(run_dir.glob("checkpoints/.*partial"))
     check_repeats(whole, run_dir, resumed_steps=tuple(sorted(whole)))
+
+
+# SLURM took a node out of a running job in CI (2026-12-07): the second node, back after its death,
+# got the stop SLURM had queued for the job's earlier start a moment after the next start began
+# there. `scontrol update NumNodes=1` takes it out the same way, at a step of the test's choosing.
+@pytest.mark.extended
+def test_a_trainer_node_slurm_takes_out_of_the_job_has_the_job_requeue_itself(tmp_path):
+    """SLURM releases the second trainer node from the running job (its task there ended, the
+    node no longer the job's, and no node declared down): the first node's rank fails, the
+    batch script's job step on every trainer node is refused at once, the script finds the node
+    missing from the job and requeues the job itself, without waiting for a verdict that would
+    never come; the job starts again on both nodes, resumes and completes."""
+    cluster = SlurmCluster(tmp_path / "slurm", nodes=2).start()
+    try:
+        run_dir = tmp_path / "two-nodes"
+        job_id = _submit_two_node_job(cluster, run_dir, ["run.steps=4", "checkpoint.save_every=1"])
+        _wait_for_step(cluster, job_id, run_dir, 1)
+        cluster.run("scontrol", "update", f"JobId={job_id}", "NumNodes=1")
+        fields = cluster.wait_for_job(job_id, _ended, timeout_s=300, what="finished")
+        logs = _job_logs(run_dir)
+    finally:
+        cluster.stop()
+    first, second = cluster.network.hostnames[:2]
+    assert fields["JobState"] == "COMPLETED", (fields, logs[-3000:])
+    assert fields["Restarts"] == "1", fields
+    assert f"SLURM took trainer node {second} out of job {job_id} (it holds {first})" in logs
+    assert "a trainer node does not answer" not in logs, logs[-3000:]
+    assert f"start 1: training on {first},{second}" in logs, logs[-3000:]
+    assert max(read_metrics(run_dir)) == 4  # each step logged once (read_metrics checks)
+    assert not list(run_dir.glob("checkpoints/.*partial"))
