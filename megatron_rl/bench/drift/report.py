@@ -5,6 +5,7 @@ The plots are drawn by plots.py."""
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from megatron_rl.bench.drift.claims.dose import (
     dosed_rows,
     margin_doses,
 )
+from megatron_rl.bench.drift.claims.survival import at_collapse_point
 from megatron_rl.bench.drift.collapse import (
     ACCURACY_DROP,
     RECOVERY_EVALS,
@@ -121,6 +123,7 @@ def format_report(rows: list[Row], claims: list[Claim], plots: list[Plot]) -> st
     survival = survival_table(done)
     if survival:
         lines += ["", "## Survival at the collapse point", "", *survival]
+        lines += ["", "### What moved first", "", *precursor_table(done)]
     calibration = dose_calibration(done)
     if calibration:
         lines += ["", "## Flipped routes against engine precision", "", calibration]
@@ -160,6 +163,41 @@ def survival_table(rows: list[Row]) -> list[str]:
             f"[{low:.2f}, {high:.2f}] | {end} | {steps} |"
         )
     return lines
+
+
+def precursor_table(rows: list[Row]) -> list[str]:
+    """Per arm at the collapse point: what moved first before its collapses (collapse.py's
+    precursor rule: which metric, in how many runs, and the median steps from it to the
+    collapse) and in how many of its runs without a collapse the same rule fired anyway (its
+    false alarms, by metric)."""
+    lines = [
+        "| arm | collapsed runs: what moved first | median steps before the collapse "
+        "| runs without a collapse: the rule fired in |",
+        "|---|---|---|---|",
+    ]
+    at_point = [row for row in rows if at_collapse_point(row)]
+    for arm, arm_rows in group_by(at_point, "arm").items():
+        collapsed = [r for r in arm_rows if int(r["collapse_events"] or 0) > 0]
+        calm = [r for r in arm_rows if int(r["collapse_events"] or 0) == 0]
+        moved = Counter(r["precursor"] or "nothing" for r in collapsed)
+        leads = [
+            int(r["first_collapse_step"]) - int(r["precursor_step"])
+            for r in collapsed
+            if r["precursor"]
+        ]
+        fired = Counter(r["false_alarm"] for r in calm if r.get("false_alarm"))
+        lines.append(
+            f"| {arm} | {_counted(moved)} "
+            f"| {statistics.median(leads) if leads else '-'} "
+            f"| {sum(fired.values())} of {len(calm)}"
+            + (f" ({_counted(fired)})" if fired else "")
+            + " |"
+        )
+    return lines
+
+
+def _counted(counts: Counter[str]) -> str:
+    return ", ".join(f"{name} {n}" for name, n in counts.most_common()) or "-"
 
 
 def dose_calibration(rows: list[Row]) -> str:

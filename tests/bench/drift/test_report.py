@@ -492,6 +492,26 @@ def test_survival_at_the_collapse_point_is_tabled_and_drawn_once_a_run_collapsed
     assert "## Survival at the collapse point" in text
 
 
+def test_what_moved_first_is_tabled_per_arm_with_the_rule_s_false_alarms():
+    rows, _ = grid_like()
+    collapsed = f"grpo--{BF16.format(8)}--seed1"
+    calm = f"grpo--{BF16.format(8)}--seed2"
+    moved = {
+        collapsed: {"collapse_events": 1, "first_collapse_step": 9, "precursor": "mismatch"}
+        | {"precursor_step": 3},
+        calm: {"false_alarm": "entropy"},
+    }
+    hit = [r | moved.get(r["run_id"], {}) for r in rows]
+    table = report.precursor_table(hit)
+    # the collapse came 6 steps after the mismatch moved; the other seed never collapsed, but
+    # the rule fired there on the entropy
+    assert "| grpo | mismatch 1 | 6 | 1 of 1 (entropy 1) |" in table
+    gspo = next(line for line in table if line.startswith("| gspo |"))
+    assert gspo.startswith("| gspo | - | - | ")
+    text = report.format_report(hit, check_claims(hit), [])
+    assert text.index("### What moved first") > text.index("## Survival at the collapse point")
+
+
 def _dosed_rows() -> list[dict]:
     """GRPO and GSPO at doses 0, 0.01, 0.1 and 0.3 of margin-chosen and random flips, 3 seeds,
     float32 engine: GRPO's k3 rises tenfold per tenfold dose, from 1e-5 at 0.01."""
