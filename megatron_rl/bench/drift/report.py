@@ -188,7 +188,7 @@ def precursor_table(rows: list[Row]) -> list[str]:
         fired = Counter(r["false_alarm"] for r in calm if r.get("false_alarm"))
         lines.append(
             f"| {arm} | {_counted(moved)} "
-            f"| {statistics.median(leads) if leads else '-'} "
+            f"| {f'{statistics.median(leads):g}' if leads else '-'} "
             f"| {sum(fired.values())} of {len(calm)}"
             + (f" ({_counted(fired)})" if fired else "")
             + " |"
