@@ -14,6 +14,7 @@ from megatron_rl.bench.drift.claims.common import (
     REGIME_METRIC,
     STRONG_DRIFT,
     Claim,
+    counted,
     group_by,
     machine_counts,
     mean_of,
@@ -187,17 +188,13 @@ def precursor_table(rows: list[Row]) -> list[str]:
         ]
         fired = Counter(r["false_alarm"] for r in calm if r.get("false_alarm"))
         lines.append(
-            f"| {arm} | {_counted(moved)} "
+            f"| {arm} | {counted(moved) or '-'} "
             f"| {f'{statistics.median(leads):g}' if leads else '-'} "
             f"| {sum(fired.values())} of {len(calm)}"
-            + (f" ({_counted(fired)})" if fired else "")
+            + (f" ({counted(fired)})" if fired else "")
             + " |"
         )
     return lines
-
-
-def _counted(counts: Counter[str]) -> str:
-    return ", ".join(f"{name} {n}" for name, n in counts.most_common()) or "-"
 
 
 def dose_calibration(rows: list[Row]) -> str:

@@ -179,6 +179,11 @@ def regime_of(rows: list[Row]) -> str:
     )
 
 
+def counted(counts: Counter[str]) -> str:
+    """ "name n, name n" from the most common down, as the precursor's tallies are printed."""
+    return ", ".join(f"{name} {n}" for name, n in counts.most_common())
+
+
 def machine_counts(rows: list[Row]) -> Counter[str]:
     """How many of `rows` each machine ran (as status.json records it; older runs record none)."""
     return Counter(row["machine"] for row in rows if row.get("machine"))

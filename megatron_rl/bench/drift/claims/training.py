@@ -26,6 +26,7 @@ from megatron_rl.bench.drift.claims.common import (
     Claim,
     Row,
     cells_with,
+    counted,
     difference,
     engine_of,
     machines_note,
@@ -221,7 +222,7 @@ def precursor_before_collapse(rows: list[Row]) -> Claim:
     if not calm or sum(alarms.values()) > PRECURSOR_FALSE_ALARMS * len(calm):
         fired = (
             f"it fires in {sum(alarms.values())} of {len(calm)} runs that never collapse ("
-            + ", ".join(f"{name} {n}" for name, n in alarms.most_common())
+            + counted(alarms)
             + "): it cannot tell a collapse coming"
             if calm
             else "no run without a collapse measured the rule's false alarms"
@@ -230,7 +231,7 @@ def precursor_before_collapse(rows: list[Row]) -> Claim:
     missing = [r["run_id"] for r in collapsed if not r.get("precursor")]
     found = Counter(r["precursor"] for r in collapsed if r.get("precursor"))
     evidence = f"{len(collapsed) - len(missing)} of {len(collapsed)} collapsed runs had one" + (
-        " (" + ", ".join(f"{name} {n}" for name, n in found.most_common()) + ")" if found else ""
+        f" ({counted(found)})" if found else ""
     )
     if missing:
         evidence += "; none before the collapse in " + ", ".join(missing)
